@@ -1,0 +1,30 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both build (or reuse) a virtual
+# environment cached outside the clone, keyed by a hash of the dependency pins, then run.
+PYTHON      ?= python3
+TORCH_SPEC  ?= torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+CACHE_DIR   ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kvoffload
+PYTEST_ARGS ?=
+
+ENV_KEY := $(shell { cat pyproject.toml requirements/cpu-lock.txt scripts/setup-env.sh; \
+             echo "$(TORCH_SPEC)"; $(PYTHON) -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)
+VENV    := $(CACHE_DIR)/venv-$(ENV_KEY)
+export PATH := $(VENV)/bin:$(PATH)
+
+.PHONY: demo test env clean-env
+demo: env
+	kvoffload demo
+
+test: env
+	python -m pytest $(PYTEST_ARGS)
+
+env: $(VENV)/.complete
+	@# the environment is shared by clones: point its editable install at this one, every time
+	@python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . \
+		>$(VENV).install.log 2>&1 || { tail -n 20 $(VENV).install.log; exit 1; }
+
+$(VENV)/.complete:
+	PYTHON=$(PYTHON) TORCH_SPEC='$(TORCH_SPEC)' TORCH_INDEX='$(TORCH_INDEX)' scripts/setup-env.sh $(VENV)
+
+clean-env:
+	rm -rf $(VENV)

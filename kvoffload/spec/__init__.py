@@ -1,0 +1,8 @@
+"""WHAT is cached: the layout model of a hybrid paged KV cache, its adapters, and the key chain."""
+
+from .keys import KEY_BYTES, KeyChain, page_key
+from .layout import CacheGroup, CacheLayout, GroupKind, Region
+from .vllm import UnsupportedLayoutError, from_vllm
+
+__all__ = ["CacheGroup", "CacheLayout", "GroupKind", "Region", "KeyChain", "page_key", "KEY_BYTES",
+           "from_vllm", "UnsupportedLayoutError"]

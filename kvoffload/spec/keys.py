@@ -1,0 +1,70 @@
+"""Deterministic chained block keys.
+
+key(block i) = BLAKE2b-128(context, key(block i-1), token ids of block i), where the context binds the
+layout fingerprint, a namespace and the request's salt. Equal prefixes under equal context give equal
+keys in every process and on every machine (no Python `hash()`, no PYTHONHASHSEED dependence); a salt
+changes the chain from its first block; a key names its whole prefix, not just its own block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+KEY_BYTES = 16
+_PERSON_CONTEXT = b"kvoffload-ctx"
+_PERSON_BLOCK = b"kvoffload-blk"
+_PERSON_PAGE = b"kvoffload-page"
+
+
+def _as_bytes(value: bytes | str | None) -> bytes:
+    if value is None:
+        return b""
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def _framed(*parts: bytes) -> bytes:
+    """Length-prefixed concatenation, so ('ab', 'c') and ('a', 'bc') never collide."""
+    return b"".join(len(p).to_bytes(8, "little") + p for p in parts)
+
+
+class KeyChain:
+    """Keys for the full blocks of token sequences under one layout, namespace and salt."""
+
+    def __init__(self, fingerprint: bytes, block_size: int, namespace: bytes | str = b"",
+                 salt: bytes | str | None = None):
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.fingerprint, self.namespace, self.salt = bytes(fingerprint), _as_bytes(namespace), salt
+        self.context = hashlib.blake2b(
+            _framed(bytes(fingerprint), _as_bytes(namespace), _as_bytes(salt)),
+            digest_size=KEY_BYTES, person=_PERSON_CONTEXT).digest()
+
+    def with_salt(self, salt: bytes | str | None) -> KeyChain:
+        """The same chain under a per-request salt (cache isolation between tenants)."""
+        return KeyChain(self.fingerprint, self.block_size, self.namespace, salt)
+
+    def block_key(self, parent: bytes | None, block_tokens: Sequence[int]) -> bytes:
+        if len(block_tokens) != self.block_size:
+            raise ValueError(f"a block holds {self.block_size} tokens, got {len(block_tokens)}")
+        tokens = np.asarray(block_tokens, dtype="<i8").tobytes()
+        return hashlib.blake2b(_framed(self.context, parent or b"", tokens), digest_size=KEY_BYTES,
+                               person=_PERSON_BLOCK).digest()
+
+    def keys(self, token_ids: Sequence[int], parent: bytes | None = None) -> list[bytes]:
+        """Keys of every full block of `token_ids` (a trailing partial block has none)."""
+        keys = []
+        bs = self.block_size
+        for start in range(0, len(token_ids) - bs + 1, bs):
+            parent = self.block_key(parent, token_ids[start:start + bs])
+            keys.append(parent)
+        return keys
+
+
+def page_key(block_key: bytes, group: str) -> bytes:
+    """The store key of one group's page (or checkpoint) for the prefix a block key names."""
+    return hashlib.blake2b(_framed(block_key, group.encode()), digest_size=KEY_BYTES,
+                           person=_PERSON_PAGE).digest()

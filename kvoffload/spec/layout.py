@@ -1,0 +1,173 @@
+"""The layout model: WHAT of a paged KV cache is cached, and exactly where its bytes are.
+
+A cache is a set of groups sharing one block table each. A group is
+  PAGED  per-block pages addressed by token position (full attention, MLA latent, DSA indexer pools);
+  STATE  a recurrent checkpoint valid at a block boundary (KDA / Mamba: conv window + recurrent S);
+  SKIP   never cached (the kpool tail ring, scratch, anything not prefix-cacheable).
+Each group's pages live in one or more `Region`s of the backing buffers: the page of layer `l` in
+block `b` starts at `offset + l * layer_stride + b * block_stride`, and only its first `used_bytes`
+are data (the rest is padding that packing added, which is never copied or stored).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+
+# Bump when the meaning of stored page bytes changes for the same layout.
+PAGE_FORMAT_VERSION = 1
+
+
+class GroupKind(str, enum.Enum):
+    PAGED = "paged"
+    STATE = "state"
+    SKIP = "skip"
+
+
+@dataclass(frozen=True)
+class Region:
+    """A run of same-shaped layer pages of one group inside one backing buffer."""
+
+    buffer: int  # index of the backing buffer (allocation) holding these pages
+    offset: int  # byte offset of the first layer's block-0 page
+    layer_stride: int
+    block_stride: int
+    layer_names: tuple[str, ...]
+    used_bytes: int  # bytes of data per page (per layer, per block)
+    page_bytes: int  # bytes allocated per page, padding included
+    dtype: str  # element type of the page content, for the fingerprint and for humans
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_names)
+
+    def page_offset(self, layer: int, block: int) -> int:
+        """Byte offset of the page of `layer` (index within this region) in `block`."""
+        return self.offset + layer * self.layer_stride + block * self.block_stride
+
+    def end(self, num_blocks: int) -> int:
+        """One past the last byte this region may touch, for bounds checks."""
+        last_layer = max(self.num_layers - 1, 0)
+        return self.page_offset(last_layer, num_blocks - 1) + self.page_bytes
+
+    def geometry(self) -> dict:
+        """What the stored bytes depend on; offsets and strides do not (they change with num_blocks)."""
+        return {"layers": self.num_layers, "used_bytes": self.used_bytes, "dtype": self.dtype}
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    index: int
+    name: str
+    kind: GroupKind
+    block_size: int  # tokens per block of this group
+    regions: tuple[Region, ...]
+    tokens_per_state: int = 1  # tokens pooled into one stored row (index_kpool for the DSA indexer)
+    spec_type: str = ""  # the engine's spec class, for messages and `inspect`
+
+    @property
+    def cacheable(self) -> bool:
+        return self.kind is not GroupKind.SKIP
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        return tuple(name for r in self.regions for name in r.layer_names)
+
+    @property
+    def used_bytes_per_block(self) -> int:
+        """Bytes one block of this group really holds, summed over its layers."""
+        return sum(r.used_bytes * r.num_layers for r in self.regions)
+
+    def geometry(self) -> dict:
+        return {"name": self.name, "kind": self.kind.value, "block_size": self.block_size,
+                "tokens_per_state": self.tokens_per_state, "regions": [r.geometry() for r in self.regions]}
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """A whole cache: its groups, block geometry, and the identity of what its pages mean."""
+
+    model_id: str
+    groups: tuple[CacheGroup, ...]
+    block_size: int  # tokens per block of the prefix cache (the scheduler's block)
+    hash_block_size: int  # tokens per block hash
+    hit_alignment: int  # a prefix hit is a multiple of this many tokens
+    num_blocks: int
+    buffer_sizes: tuple[int, ...]
+    index_kpool: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
+    extra: tuple[tuple[str, str], ...] = field(default=())  # e.g. (("kv_cache_dtype", "fp8"),)
+
+    def __post_init__(self) -> None:
+        if self.hit_alignment % self.index_kpool:
+            raise ValueError(f"hit alignment {self.hit_alignment} is not a multiple of index_kpool "
+                             f"{self.index_kpool}: a hit boundary would leave an open pool behind")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
+        for group in self.groups:
+            for region in group.regions:
+                if region.used_bytes > region.page_bytes:
+                    raise ValueError(f"group {group.name}: used bytes {region.used_bytes} exceed the page "
+                                     f"({region.page_bytes})")
+                if self.num_blocks and region.end(self.num_blocks) > self.buffer_sizes[region.buffer]:
+                    raise ValueError(f"group {group.name}: pages run past the end of buffer {region.buffer} "
+                                     f"({region.end(self.num_blocks)} > {self.buffer_sizes[region.buffer]})")
+
+    @property
+    def cacheable_groups(self) -> tuple[CacheGroup, ...]:
+        return tuple(g for g in self.groups if g.cacheable)
+
+    def group(self, name: str) -> CacheGroup:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(f"no cache group named {name!r} (have {', '.join(g.name for g in self.groups)})")
+
+    def stored_bytes_per_block(self) -> int:
+        """What offload stores per full block: the used bytes of the cacheable groups, nothing else."""
+        return sum(g.used_bytes_per_block for g in self.cacheable_groups)
+
+    def fingerprint_fields(self) -> dict:
+        return {
+            "page_format": PAGE_FORMAT_VERSION,
+            "model_id": self.model_id,
+            "block_size": self.block_size,
+            "hash_block_size": self.hash_block_size,
+            "index_kpool": self.index_kpool,
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
+            "groups": [g.geometry() for g in self.groups],
+            "extra": [list(kv) for kv in self.extra],
+        }
+
+    @property
+    def fingerprint(self) -> bytes:
+        """16 bytes naming what a stored page means; any change in geometry, dtype, model, TP rank
+        or kpool gives another fingerprint, so pages of one layout are never served to another."""
+        canonical = json.dumps(self.fingerprint_fields(), sort_keys=True, separators=(",", ":"))
+        return hashlib.blake2b(canonical.encode(), digest_size=16, person=b"kvoffload-layout").digest()
+
+    def describe(self) -> dict:
+        """A JSON-ready summary for `kvoffload inspect` and reports."""
+        return {
+            "model_id": self.model_id,
+            "fingerprint": self.fingerprint.hex(),
+            "block_size": self.block_size,
+            "hash_block_size": self.hash_block_size,
+            "hit_alignment": self.hit_alignment,
+            "index_kpool": self.index_kpool,
+            "num_blocks": self.num_blocks,
+            "tp": [self.tp_rank, self.tp_size],
+            "stored_bytes_per_block": self.stored_bytes_per_block(),
+            "groups": [{**g.geometry(), "spec_type": g.spec_type,
+                        "used_bytes_per_block": g.used_bytes_per_block,
+                        "regions": [asdict(r) for r in g.regions]} for g in self.groups],
+        }
+
+
+def lcm(*values: int) -> int:
+    return math.lcm(*[v for v in values if v])

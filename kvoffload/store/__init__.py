@@ -1,0 +1,55 @@
+"""WHERE bytes live: `open_store(url)` returns a `Store` for one of three tiers.
+
+    memory://?capacity=4GiB[&pinned=auto|true|false]
+    lmdb:///abs/dir?capacity=100GiB
+    tiered://?memory=4GiB&lmdb=/abs/dir&lmdb_capacity=100GiB
+"""
+
+from __future__ import annotations
+
+from .base import Store
+from .errors import EntryTooLargeError, IncompatibleStoreError, StoreConfigError
+from .lmdb_store import LMDBStore
+from .memory import MemoryStore
+from .tiered import TieredStore
+from .url import parse_bool, parse_size, parse_url
+
+DEFAULT_MEMORY_CAPACITY = "4GiB"
+DEFAULT_LMDB_CAPACITY = "100GiB"
+
+__all__ = ["Store", "open_store", "MemoryStore", "LMDBStore", "TieredStore", "StoreConfigError",
+           "EntryTooLargeError", "IncompatibleStoreError", "parse_size"]
+
+
+def _pinned(option: str | None) -> bool | None:
+    if option is None or option.lower() == "auto":
+        return None
+    return parse_bool(option, "pinned")
+
+
+def open_store(url: str, *, fingerprint: bytes | str | None = None) -> Store:
+    """Open the store a URL names. `fingerprint` (the layout fingerprint) is stamped on every
+    persistent entry and checked on every read: entries of another layout are never served."""
+    parsed = parse_url(url)
+    if parsed.scheme == "memory":
+        opts = parsed.take({"capacity", "pinned"})
+        if parsed.path not in ("", "/"):
+            raise StoreConfigError(f"memory:// takes no path, got {parsed.path!r} in {url!r}")
+        capacity = parse_size(opts.get("capacity", DEFAULT_MEMORY_CAPACITY), "memory capacity")
+        return MemoryStore(capacity, pinned=_pinned(opts.get("pinned")), url=url)
+    if parsed.scheme == "lmdb":
+        opts = parsed.take({"capacity"})
+        if not parsed.path:
+            raise StoreConfigError(f"lmdb:// needs an absolute directory, e.g. lmdb:///var/cache/kvoffload ({url!r})")
+        capacity = parse_size(opts.get("capacity", DEFAULT_LMDB_CAPACITY), "lmdb capacity")
+        return LMDBStore(parsed.path, capacity, fingerprint=fingerprint, url=url)
+    if parsed.scheme == "tiered":
+        opts = parsed.take({"memory", "lmdb", "lmdb_capacity", "pinned"})
+        if "lmdb" not in opts:
+            raise StoreConfigError(f"tiered:// needs lmdb=/abs/dir (and optionally memory=, lmdb_capacity=): {url!r}")
+        front = MemoryStore(parse_size(opts.get("memory", DEFAULT_MEMORY_CAPACITY), "memory capacity"),
+                            pinned=_pinned(opts.get("pinned")))
+        back = LMDBStore(opts["lmdb"], parse_size(opts.get("lmdb_capacity", DEFAULT_LMDB_CAPACITY), "lmdb_capacity"),
+                         fingerprint=fingerprint)
+        return TieredStore(front, back, url=url)
+    raise StoreConfigError(f"unknown store scheme {parsed.scheme!r} in {url!r}: use memory://, lmdb:// or tiered://")

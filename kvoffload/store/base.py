@@ -1,0 +1,122 @@
+"""The one interface every tier implements. A store knows keys and bytes only: what the bytes mean
+(which page of which group) is the layout model's business, and keys come from the key chain."""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
+
+from .buffers import Buffer, byte_view, copy_into, writable_view
+from .errors import EntryTooLargeError
+
+T = TypeVar("T")
+
+
+class Store(ABC):
+    """Key -> bytes with a byte capacity. Misses, corrupt entries and full tiers are normal outcomes
+    (a `None`, a `False`, a counter in `stats()`); only caller bugs raise."""
+
+    url: str
+    capacity: int
+
+    def __init__(self) -> None:
+        self._counters: Counter[str] = Counter()
+        self._counter_lock = threading.Lock()
+
+    # -- the primitives a tier implements -------------------------------------------------------
+    @abstractmethod
+    def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
+        """Store every (key, value); True for each value durable in this tier when this returns."""
+
+    @abstractmethod
+    def read_many(self, keys: Sequence[bytes], consume: Callable[[int, memoryview], None]) -> list[bool]:
+        """Call `consume(i, view)` for each present, verified key i (the view is only valid during the
+        call); return which keys were served. The one read path all `get*` forms share."""
+
+    @abstractmethod
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Presence without reading values (a later read may still miss: eviction, corruption)."""
+
+    @abstractmethod
+    def delete(self, key: bytes) -> bool:
+        """Remove `key`; True if it was present."""
+
+    @abstractmethod
+    def _usage(self) -> dict[str, int]:
+        """Tier-specific figures for `stats()`: at least entries and bytes_used."""
+
+    def close(self) -> None:
+        """Release resources; the store must not be used afterwards."""
+
+    # -- derived forms ------------------------------------------------------------------------------
+    def put(self, key: bytes, value: Buffer) -> bool:
+        return self.put_many([(key, value)])[0]
+
+    def get(self, key: bytes) -> bytes | None:
+        found: list[bytes] = []
+        self.read_many([key], lambda _, view: found.append(bytes(view)))
+        return found[0] if found else None
+
+    def get_into(self, key: bytes, out: Buffer) -> int | None:
+        """Copy the value of `key` into `out`; the number of bytes written, or None on a miss."""
+        return self.get_many([key], [out])[0]
+
+    def get_many(self, keys: Sequence[bytes], outs: Sequence[Buffer]) -> list[int | None]:
+        """Fill each caller buffer straight from the tier (one copy); bytes written or None per key."""
+        if len(keys) != len(outs):
+            raise ValueError(f"get_many: {len(keys)} keys but {len(outs)} destination buffers")
+        views = [writable_view(o) for o in outs]
+        sizes: list[int | None] = [None] * len(keys)
+
+        def consume(i: int, view: memoryview) -> None:
+            sizes[i] = copy_into(views[i], view)
+
+        self.read_many(keys, consume)
+        return sizes
+
+    def contains(self, key: bytes) -> bool:
+        return self.contains_many([key])[0]
+
+    def lookup_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys of a chain are present: the prefix-hit length in blocks."""
+        for i, present in enumerate(self.contains_many(keys)):
+            if not present:
+                return i
+        return len(keys)
+
+    def stats(self) -> dict[str, int | str]:
+        with self._counter_lock:
+            counters = dict(self._counters)
+        return {"url": self.url, "capacity": self.capacity, **counters, **self._usage()}
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.url}>"
+
+    # -- helpers for tiers --------------------------------------------------------------------------
+    def _count(self, **deltas: int) -> None:
+        with self._counter_lock:
+            self._counters.update(deltas)
+
+    def _views(self, items: Iterable[tuple[bytes, Buffer]], overhead: int = 0) -> list[tuple[bytes, memoryview]]:
+        """Validate a batch before anything is written, so a bad item loses nothing of the others."""
+        out = []
+        for key, value in items:
+            if not isinstance(key, (bytes, bytearray)) or not key:
+                raise TypeError(f"keys are non-empty bytes, got {type(key).__name__}")
+            view = byte_view(value)
+            if view.nbytes + overhead > self.capacity:
+                raise EntryTooLargeError(
+                    f"a {view.nbytes}-byte value cannot fit in {self.url} (capacity {self.capacity} bytes); "
+                    "raise the capacity"
+                )
+            out.append((bytes(key), view))
+        return out

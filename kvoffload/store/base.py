@@ -22,8 +22,11 @@ class Store(ABC):
     url: str
     capacity: int
 
+    # Reported by every tier, zero until they happen (tiers add their own, e.g. checksum_failures).
+    COUNTERS = ("hits", "misses", "puts", "put_bytes", "get_bytes", "evictions", "evicted_bytes", "dropped_puts")
+
     def __init__(self) -> None:
-        self._counters: Counter[str] = Counter()
+        self._counters: Counter[str] = Counter({name: 0 for name in self.COUNTERS})
         self._counter_lock = threading.Lock()
 
     # -- the primitives a tier implements -------------------------------------------------------
@@ -104,7 +107,8 @@ class Store(ABC):
     # -- helpers for tiers --------------------------------------------------------------------------
     def _count(self, **deltas: int) -> None:
         with self._counter_lock:
-            self._counters.update(deltas)
+            for name, delta in deltas.items():
+                self._counters[name] += delta
 
     def _views(self, items: Iterable[tuple[bytes, Buffer]], overhead: int = 0) -> list[tuple[bytes, memoryview]]:
         """Validate a batch before anything is written, so a bad item loses nothing of the others."""

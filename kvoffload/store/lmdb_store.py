@@ -112,6 +112,7 @@ class LMDBStore(Store):
     def __init__(self, path: str, capacity: int, fingerprint: bytes | None = None,
                  url: str | None = None, max_readers: int = 256):
         super().__init__()
+        self._count(checksum_failures=0, read_errors=0)
         self._env = None
         self.path = path
         self.capacity = capacity

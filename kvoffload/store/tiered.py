@@ -19,21 +19,29 @@ class TieredStore(Store):
     def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
         items = list(items)
         durable = self.back.put_many(items)
-        fitting = [(k, v) for k, v in items if self._fits_front(v)]
-        self.front.put_many(fitting)
+        self.front.put_many([(k, v) for k, v in items if self._fits_front(v)])
+        self._count(puts=sum(durable), put_bytes=sum(byte_view(v).nbytes for (_, v), ok in zip(items, durable) if ok),
+                    dropped_puts=len(items) - sum(durable))
         return durable
 
     def _fits_front(self, value: Buffer) -> bool:
         return byte_view(value).nbytes <= self.front.capacity
 
     def read_many(self, keys: Sequence[bytes], consume: Callable[[int, memoryview], None]) -> list[bool]:
-        served = self.front.read_many(keys, consume)
+        nbytes = 0
+
+        def counted(i: int, view: memoryview) -> None:
+            nonlocal nbytes
+            consume(i, view)
+            nbytes += view.nbytes
+
+        served = self.front.read_many(keys, counted)
         missing = [i for i, ok in enumerate(served) if not ok]
         promote: list[tuple[bytes, bytes]] = []
 
         def from_back(j: int, view: memoryview) -> None:
             i = missing[j]
-            consume(i, view)
+            counted(i, view)
             served[i] = True
             if view.nbytes <= self.front.capacity:
                 promote.append((keys[i], bytes(view)))
@@ -42,7 +50,7 @@ class TieredStore(Store):
         if promote:
             self.front.put_many(promote)
         hits = sum(served)
-        self._count(hits=hits, misses=len(keys) - hits, memory_hits=hits - disk_hits, disk_hits=disk_hits,
+        self._count(hits=hits, misses=len(keys) - hits, get_bytes=nbytes, memory_hits=hits - disk_hits, disk_hits=disk_hits,
                     promotions=len(promote))
         return served
 
@@ -64,6 +72,8 @@ class TieredStore(Store):
                     usage[f"{name}_{k}"] = v
         usage["entries"] = usage.get("disk_entries", 0)
         usage["bytes_used"] = usage.get("disk_bytes_used", 0)
+        usage["evictions"] = usage.get("disk_evictions", 0)  # entries gone from the store as a whole
+        usage["checksum_failures"] = usage.get("disk_checksum_failures", 0)
         return usage
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 
@@ -77,7 +78,8 @@ class DemoReport:
 
 
 def run_demo(store_dir: str | None = None, prompts: int = 8, prompt_blocks: int = 16, seed: int = 0,
-             progress=print) -> DemoReport:
+             progress=None) -> DemoReport:
+    progress = progress or (lambda message: print(message, file=sys.stderr, flush=True))
     layout = demo_layout()
     store_dir = store_dir or default_store_dir()
     shutil.rmtree(store_dir, ignore_errors=True)  # the demo starts cold every time

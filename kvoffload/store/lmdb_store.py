@@ -171,9 +171,28 @@ class LMDBStore(Store):
         except lmdb.Error as exc:
             raise StoreConfigError(f"cannot open LMDB store {self.path!r}: {exc}") from None
         # LMDB has just extended the file to the map size as a sparse file: back it with real blocks.
-        if not self._allocate_file(env.info()["map_size"]):
-            env.set_mapsize(max(size, _INITIAL_MAP // 16))
+        info = env.info()
+        committed = (info["last_pgno"] + 1) * env.stat()["psize"]
+        allocated = self._allocate_up_to(info["map_size"], floor=committed)
+        if allocated < info["map_size"]:
+            env.set_mapsize(allocated)
         return env
+
+    def _allocate_up_to(self, target: int, floor: int) -> int:
+        """The largest size in [floor, target] (halving the gap on ENOSPC) whose file range is backed
+        by disk blocks, so that LMDB never writes into a hole the disk cannot fill."""
+        size = target
+        while size > floor:
+            if self._allocate_file(size):
+                return size
+            gap = (size - floor) // 2
+            size = floor + gap if gap >= (1 << 20) else floor
+        if target > floor:
+            # said once per store; every occurrence is counted in stats()["disk_full"]
+            (log.debug if self._counters.get("disk_full") else log.warning)(
+                "LMDB store %s: disk full, cannot grow the store to %d bytes; evicting instead", self.path, target)
+            self._count(disk_full=1)
+        return floor
 
     def _allocate_file(self, nbytes: int) -> bool:
         """Reserve disk blocks for the first `nbytes` of the data file; False if the disk is full."""
@@ -183,11 +202,7 @@ class LMDBStore(Store):
             return True
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                log.warning("LMDB store %s: no disk space to grow to %d bytes (%s)", self.path, nbytes, exc.strerror)
-                self._count(disk_full=1)
                 return False
-            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-                return True  # filesystem without fallocate: LMDB's own writes still report ENOSPC
             raise
         finally:
             os.close(fd)
@@ -310,7 +325,8 @@ class LMDBStore(Store):
     def _grow(self, batch_bytes: int) -> bool:
         current = self._env.info()["map_size"]
         target = min(current + max(2 * batch_bytes, min(current, _MAX_GROWTH_STEP)), self._max_map)
-        if target <= current or not self._allocate_file(target):
+        target = self._allocate_up_to(target, floor=current)
+        if target <= current:
             return False
         with self._resize.exclusive():
             self._env.set_mapsize(target)

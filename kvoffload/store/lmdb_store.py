@@ -9,11 +9,15 @@ The payload and its header live in separate records, so a page is copied into th
 Why `writemap=True`: it brings writes to raw-disk speed (see BENCHMARKS.md). It is paired with full
 syncing (never NOSYNC) and with a map that grows in steps whose file range is allocated with
 `posix_fallocate` first, so a full disk is an error we see (fewer hits), never a SIGBUS in a hole.
+Under `writemap` LMDB also truncates the data file to the map size on every open and resize, so map
+changes are serialized across processes (`map.lock`) and no process ever sets a map smaller than the
+file: that would cut the file under another process's writable map.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import stat
@@ -33,6 +37,7 @@ from .errors import IncompatibleStoreError, StoreConfigError
 log = logging.getLogger(__name__)
 
 DATA_FILE = "data.mdb"
+MAP_LOCK_FILE = "map.lock"
 _U64 = struct.Struct(">Q")
 _TICK = struct.Struct("<Q")
 _META_BYTES = entry.HEADER_BYTES + _TICK.size
@@ -161,21 +166,35 @@ class LMDBStore(Store):
         log.error("LMDB store %s is damaged (%s); moved it to %s and starting empty", self.path, reason, aside)
         self._count(damaged_files_reset=1)
 
-    def _open_env(self, max_readers: int) -> lmdb.Environment:
-        size = os.path.getsize(self._data_path()) if os.path.exists(self._data_path()) else 0
-        map_size = max(size, min(_INITIAL_MAP, self._max_map))
+    @contextmanager
+    def _map_lock(self):
+        """Exclusive across processes and threads (each call opens its own file description)."""
+        fd = os.open(os.path.join(self.path, MAP_LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            env = lmdb.open(self.path, map_size=map_size, subdir=True, max_dbs=8, mode=0o600,
-                            writemap=True, sync=True, metasync=True, readahead=False,
-                            max_readers=max_readers, lock=True)
-        except lmdb.Error as exc:
-            raise StoreConfigError(f"cannot open LMDB store {self.path!r}: {exc}") from None
-        # LMDB has just extended the file to the map size as a sparse file: back it with real blocks.
-        info = env.info()
-        committed = (info["last_pgno"] + 1) * env.stat()["psize"]
-        allocated = self._allocate_up_to(info["map_size"], floor=committed)
-        if allocated < info["map_size"]:
-            env.set_mapsize(allocated)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def _file_size(self) -> int:
+        return os.path.getsize(self._data_path()) if os.path.exists(self._data_path()) else 0
+
+    def _open_env(self, max_readers: int) -> lmdb.Environment:
+        with self._map_lock():
+            size = self._file_size()
+            map_size = max(size, min(_INITIAL_MAP, self._max_map))
+            try:
+                env = lmdb.open(self.path, map_size=map_size, subdir=True, max_dbs=8, mode=0o600,
+                                writemap=True, sync=True, metasync=True, readahead=False,
+                                max_readers=max_readers, lock=True)
+            except lmdb.Error as exc:
+                raise StoreConfigError(f"cannot open LMDB store {self.path!r}: {exc}") from None
+            # LMDB has just extended the file to the map size as a sparse file: back it with real blocks.
+            info = env.info()
+            committed = (info["last_pgno"] + 1) * env.stat()["psize"]
+            allocated = self._allocate_up_to(info["map_size"], floor=max(committed, size))
+            if allocated < info["map_size"]:
+                env.set_mapsize(allocated)
         return env
 
     def _allocate_up_to(self, target: int, floor: int) -> int:
@@ -233,8 +252,9 @@ class LMDBStore(Store):
                     with txn:
                         yield txn
                     return
-            with self._resize.exclusive():
-                self._env.set_mapsize(0)
+            # another process grew the map: adopt the file's size (never less: see the module doc)
+            with self._resize.exclusive(), self._map_lock():
+                self._env.set_mapsize(max(self._file_size(), self._env.info()["map_size"]))
         raise lmdb.MapResizedError("map resized repeatedly by other processes")
 
     # -- writes -------------------------------------------------------------------------------------
@@ -323,13 +343,16 @@ class LMDBStore(Store):
         return freed > 0
 
     def _grow(self, batch_bytes: int) -> bool:
-        current = self._env.info()["map_size"]
-        target = min(current + max(2 * batch_bytes, min(current, _MAX_GROWTH_STEP)), self._max_map)
-        target = self._allocate_up_to(target, floor=current)
-        if target <= current:
-            return False
-        with self._resize.exclusive():
-            self._env.set_mapsize(target)
+        with self._map_lock():
+            current = self._env.info()["map_size"]
+            target = self._file_size()  # another process may have grown (and allocated) it already
+            if target <= current:
+                target = min(current + max(2 * batch_bytes, min(current, _MAX_GROWTH_STEP)), self._max_map)
+                target = self._allocate_up_to(target, floor=current)
+                if target <= current:
+                    return False
+            with self._resize.exclusive():
+                self._env.set_mapsize(target)
         log.debug("LMDB store %s: map grown to %d bytes", self.path, target)
         return True
 

@@ -47,6 +47,7 @@ _MAX_GROWTH_STEP = 1 << 30
 # Bytes LMDB spends per entry beyond the payload (overflow-page rounding, three tree records),
 # used only to size the map, never the capacity.
 _PER_ENTRY_OVERHEAD = 4096 + 256
+_MAX_PENDING_TOUCHES = 4096  # a read-only process persists recency in batches of this many keys
 
 
 class _SharedExclusiveLock:
@@ -273,7 +274,7 @@ class LMDBStore(Store):
                 except lmdb.MapFullError:
                     if not self._grow(batch_bytes) and not self._evict_bytes(batch_bytes * (attempt + 1)):
                         break
-                except lmdb.Error as exc:
+                except (lmdb.Error, OSError) as exc:  # a failed write is a dropped write, never a crash
                     log.error("LMDB store %s: write failed: %s", self.path, exc)
                     break
         self._count(dropped_puts=len(views))
@@ -379,11 +380,17 @@ class LMDBStore(Store):
         return tick
 
     def flush(self) -> None:
-        """Persist pending LRU recency (done by every write and by `close`)."""
+        """Persist pending LRU recency (done by every write, by `close`, and every few thousand reads)."""
         if self._pending_touches:
             with self._write_lock, self._txn(write=True) as txn:
                 tick, _ = self._counters_in(txn)
                 txn.put(b"tick", _U64.pack(self._apply_touches(txn, tick)), db=self._info)
+
+    def _persist_touches(self) -> None:
+        try:
+            self.flush()
+        except (lmdb.Error, OSError) as exc:  # recency is advisory: losing it must not fail a read
+            log.warning("LMDB store %s: could not persist LRU order: %s", self.path, exc)
 
     # -- reads --------------------------------------------------------------------------------------
     def read_many(self, keys: Sequence[bytes], consume: Callable[[int, memoryview], None]) -> list[bool]:
@@ -411,6 +418,8 @@ class LMDBStore(Store):
         self._count(hits=hits, misses=len(keys) - hits, get_bytes=nbytes)
         if hits:
             self._touch([k for k, ok in zip(keys, served) if ok])
+            if len(self._pending_touches) >= _MAX_PENDING_TOUCHES:
+                self._persist_touches()
         if bad:
             self._drop_bad(bad)
         return served
@@ -457,9 +466,6 @@ class LMDBStore(Store):
     def close(self) -> None:
         if self._env is None:
             return
-        try:
-            self.flush()
-        except lmdb.Error as exc:
-            log.warning("LMDB store %s: could not persist LRU order on close: %s", self.path, exc)
+        self._persist_touches()
         self._env.close()
         self._env = None

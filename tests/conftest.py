@@ -31,3 +31,25 @@ def subprocess_env(**extra):
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """The tiny GLM-5.3-Flash checkpoint (seed 0), written once per test session."""
+    from glm_integration.checkpoint import write_checkpoint
+    from glm_integration.config import preset
+
+    out = tmp_path_factory.mktemp("tiny-glm")
+    write_checkpoint(preset("tiny"), 0, str(out))
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_checkpoint):
+    """(config, model, model_id) of the tiny checkpoint; one thread: tiny matrices, no contention."""
+    import torch
+
+    from glm_integration.loader import load_model
+
+    torch.set_num_threads(1)
+    return load_model(tiny_checkpoint)

@@ -26,11 +26,16 @@ class OutOfBlocksError(RuntimeError):
 
 
 class BlockPool:
+    """Free blocks, reference counts, and the prefix cache: full blocks by block key, least recently
+    used first, plus which blocks hold a KDA checkpoint at their end boundary (a prefix can only end
+    at such a block)."""
+
     def __init__(self, num_blocks: int):
         self.refs = [0] * num_blocks
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self.cached: OrderedDict[bytes, int] = OrderedDict()  # LRU of reusable full blocks
+        self.cached: OrderedDict[bytes, int] = OrderedDict()
         self.key_of: dict[int, bytes] = {}
+        self.checkpoints: set[int] = set()
 
     def allocate(self) -> int:
         if not self.free:
@@ -43,19 +48,28 @@ class BlockPool:
             raise OutOfBlocksError(f"all {len(self.refs)} cache blocks are in use")
         block = self.free.pop()
         self.refs[block] = 1
+        self.checkpoints.discard(block)
         return block
 
-    def lookup(self, key: bytes) -> int | None:
-        block = self.cached.get(key)
-        if block is not None:
+    def peek(self, key: bytes) -> int | None:
+        return self.cached.get(key)
+
+    def acquire(self, block: int) -> None:
+        self.refs[block] += 1
+        key = self.key_of.get(block)
+        if key is not None:
             self.cached.move_to_end(key)
-            self.refs[block] += 1
-        return block
 
     def register(self, key: bytes, block: int) -> None:
         if key not in self.cached and block not in self.key_of:
             self.cached[key] = block
             self.key_of[block] = key
+
+    def mark_checkpoint(self, block: int) -> None:
+        self.checkpoints.add(block)
+
+    def has_checkpoint(self, block: int) -> bool:
+        return block in self.checkpoints
 
     def release(self, block: int) -> None:
         self.refs[block] -= 1
@@ -109,18 +123,26 @@ class Engine:
         request.tail_block = self.pool.allocate()
         chain = self.chain.with_salt(salt)
         request.keys = chain.keys(request.prompt)
-        hit_blocks = 0
+        found = []
         for key in request.keys[: (len(prompt) - 1) // self.block_size]:
-            block = self.pool.lookup(key)
+            block = self.pool.peek(key)
             if block is None:
                 break
+            found.append(block)
+        # a prefix can only end where a KDA checkpoint is held
+        hit_blocks = max((i + 1 for i, b in enumerate(found) if self.pool.has_checkpoint(b)), default=0)
+        for block in found[:hit_blocks]:
+            self.pool.acquire(block)
             request.blocks.append(block)
-            hit_blocks += 1
         request.computed = request.cached_tokens = hit_blocks * self.block_size
         request.registered = hit_blocks
         if self.connector is not None:
             self.connector.on_admit(self, request)
         return request
+
+    def mark_checkpoint(self, block: int) -> None:
+        """`block`'s KDA pages hold the state at its end boundary (computed, or restored by a connector)."""
+        self.pool.mark_checkpoint(block)
 
     def ensure_blocks(self, request: Request, end: int) -> None:
         while len(request.blocks) * self.block_size < end:
@@ -132,6 +154,8 @@ class Engine:
         chunk = Chunk(start, end, tuple(request.blocks), request.tail_block, self.block_size, decode)
         logits = self.model.forward(request.tokens[start:end], chunk, self.cache)
         request.computed = end
+        if end % self.block_size == 0:
+            self.mark_checkpoint(request.blocks[end // self.block_size - 1])
         self._register_full_blocks(request)
         return logits
 

@@ -1,0 +1,87 @@
+"""The engine-facing offload API: lookup, load and save for one request's blocks, over `plan` and a
+transfer. An engine integrates by handing it block keys (kvoffload's key chain) and block IDs.
+
+Failures never propagate: a store error or a missing, corrupt or wrong-sized page makes `load` return
+False (the engine recomputes those blocks) and `save` store fewer pages; both are counted."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from ..spec import CacheLayout
+from ..store import Store
+from .plan import Page, hit_blocks, pages_for_load, pages_for_save
+
+log = logging.getLogger(__name__)
+
+
+class Observer(Protocol):
+    """Optional hooks for verification and metrics."""
+
+    def saved(self, page: Page, data: np.ndarray) -> None: ...
+
+    def loaded(self, page: Page, block_id: int) -> None: ...
+
+
+class Offloader:
+    def __init__(self, store: Store, layout: CacheLayout, transfer, observer: Observer | None = None):
+        self.store, self.layout, self.transfer, self.observer = store, layout, transfer, observer
+        self.counters: Counter[str] = Counter()
+
+    def lookup(self, block_keys: Sequence[bytes], num_prompt_tokens: int, have_blocks: int = 0) -> int:
+        """Blocks a load could restore in total (>= have_blocks, what the engine already holds)."""
+        try:
+            found = hit_blocks(self.layout, block_keys, num_prompt_tokens, self.store.contains_many, have_blocks)
+        except Exception as exc:  # noqa: BLE001 - a broken store is a miss, never a crash
+            log.error("kvoffload lookup failed: %s", exc)
+            self.counters["lookup_errors"] += 1
+            return have_blocks
+        self.counters["lookups"] += 1
+        self.counters["hit_blocks"] += found - have_blocks
+        return found
+
+    def load(self, block_keys: Sequence[bytes], start: int, end: int, block_ids: Sequence[int]) -> bool:
+        """Restore blocks [start, end) into `block_ids` (the request's block table); all or nothing."""
+        pages = pages_for_load(self.layout, block_keys, start, end)
+        try:
+            ok = self.transfer.load(self.store, [(p.key, p.group, block_ids[p.index]) for p in pages])
+        except Exception as exc:  # noqa: BLE001
+            log.error("kvoffload load failed: %s", exc)
+            ok = [False]
+        if not all(ok):
+            self.counters["load_failures"] += 1
+            self.counters["pages_missing"] += ok.count(False)
+            return False
+        self.counters["loaded_pages"] += len(pages)
+        self.counters["loaded_bytes"] += sum(p.group.used_bytes_per_block for p in pages)
+        if self.observer:
+            for page in pages:
+                self.observer.loaded(page, block_ids[page.index])
+        return True
+
+    def save(self, block_keys: Sequence[bytes], full_blocks: int, state_blocks: Sequence[int],
+             block_ids: Sequence[int]) -> int:
+        """Store the pages of computed blocks that the store lacks; the number of pages written."""
+        pages = pages_for_save(self.layout, block_keys, full_blocks, state_blocks)
+        try:
+            present = self.store.contains_many([p.key for p in pages])
+            todo = [p for p, there in zip(pages, present) if not there]
+            batch = [(p.key, p.group, block_ids[p.index]) for p in todo]
+            if self.observer:
+                for page, (_, group, block) in zip(todo, batch):
+                    self.observer.saved(page, self.transfer.gather(group, block))
+            written = self.transfer.save(self.store, batch)
+        except Exception as exc:  # noqa: BLE001
+            log.error("kvoffload save failed: %s", exc)
+            self.counters["save_errors"] += 1
+            return 0
+        self.counters["saved_pages"] += sum(written)
+        self.counters["saved_bytes"] += sum(p.group.used_bytes_per_block for p, w in zip(todo, written) if w)
+        self.counters["save_skipped_present"] += len(pages) - len(todo)
+        self.counters["save_dropped"] += len(written) - sum(written)
+        return sum(written)

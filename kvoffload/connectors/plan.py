@@ -1,0 +1,72 @@
+"""Which (group, block) pages to save and load, for a request under a layout. Pure functions: no I/O.
+
+- PAGED groups: one page per full block (all the group's layers, used bytes only).
+- STATE groups: one checkpoint per block boundary, stored with the block that ends there; saved only
+  where the engine says it holds one (block-aligned chunking gives one at every boundary).
+- SKIP groups: never.
+A prefix of k blocks is a hit only when every PAGED page of blocks [0, k) and every STATE checkpoint
+at boundary k are present, k * block_size is a multiple of the hit alignment (hence of index_kpool:
+no open pool to restore), and at least one prompt token is left to compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from ..spec import CacheGroup, CacheLayout, GroupKind, page_key
+
+
+@dataclass(frozen=True)
+class Page:
+    key: bytes  # store key: page_key(block key, group name)
+    group: CacheGroup
+    index: int  # block index within the request (block i covers tokens [i*B, (i+1)*B))
+
+
+def _pages(layout: CacheLayout, block_keys: Sequence[bytes], blocks: Iterable[int], kind: GroupKind) -> list[Page]:
+    groups = [g for g in layout.cacheable_groups if g.kind is kind]
+    return [Page(page_key(block_keys[i], g.name), g, i) for i in blocks for g in groups]
+
+
+def max_hit_blocks(layout: CacheLayout, num_prompt_tokens: int) -> int:
+    """The longest prefix that may come from a cache: aligned, and one prompt token left to compute."""
+    step = layout.hit_alignment
+    aligned = (num_prompt_tokens - 1) // step * step
+    return aligned // layout.block_size
+
+
+def hit_blocks(layout: CacheLayout, block_keys: Sequence[bytes], num_prompt_tokens: int,
+               contains: Callable[[list[bytes]], list[bool]], start: int = 0) -> int:
+    """How many leading blocks a store can restore (>= `start`, the blocks the engine already holds;
+    returns `start` when the store adds nothing). One batched presence query."""
+    limit = min(max_hit_blocks(layout, num_prompt_tokens), len(block_keys))
+    if limit <= start:
+        return start
+    paged = _pages(layout, block_keys, range(start, limit), GroupKind.PAGED)
+    state = _pages(layout, block_keys, range(start, limit), GroupKind.STATE)
+    present = dict(zip((p.key for p in paged + state), contains([p.key for p in paged + state])))
+    blocks_per_step = layout.hit_alignment // layout.block_size
+    best, i = start, start
+    while i < limit and all(present[p.key] for p in paged if p.index == i):
+        i += 1
+        if i % blocks_per_step == 0 and all(present[p.key] for p in state if p.index == i - 1):
+            best = i
+    return best
+
+
+def pages_for_load(layout: CacheLayout, block_keys: Sequence[bytes], start: int, end: int) -> list[Page]:
+    """Pages to restore blocks [start, end): their PAGED pages and the STATE checkpoint at `end`."""
+    if end <= start:
+        return []
+    return (_pages(layout, block_keys, range(start, end), GroupKind.PAGED)
+            + _pages(layout, block_keys, [end - 1], GroupKind.STATE))
+
+
+def pages_for_save(layout: CacheLayout, block_keys: Sequence[bytes], full_blocks: int,
+                   state_blocks: Iterable[int]) -> list[Page]:
+    """PAGED pages of every full computed block; STATE pages only where a boundary checkpoint exists."""
+    blocks = range(min(full_blocks, len(block_keys)))
+    with_state = sorted(set(state_blocks) & set(blocks))
+    return (_pages(layout, block_keys, blocks, GroupKind.PAGED)
+            + _pages(layout, block_keys, with_state, GroupKind.STATE))

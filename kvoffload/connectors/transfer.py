@@ -1,0 +1,68 @@
+"""Moving pages between a cache's backing buffer and a store. A page is the concatenation of the used
+bytes of its group's layers in one block (padding and other groups are never copied).
+
+`HostTransfer` works on a host buffer with plain copies (CPU). A device implementation (gather into
+pinned staging, async streams) provides the same two methods."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..spec import CacheGroup
+from ..store import Store
+
+
+def page_spans(group: CacheGroup, block: int) -> list[tuple[int, int]]:
+    """(offset, length) of every layer's used bytes of `group` in physical `block`."""
+    return [(r.page_offset(layer, block), r.used_bytes) for r in group.regions for layer in range(r.num_layers)]
+
+
+def _as_bytes(buffer) -> np.ndarray:
+    if type(buffer).__module__.startswith("torch"):
+        if buffer.device.type != "cpu":
+            raise TypeError("HostTransfer needs a host buffer; device caches need a device transfer")
+        import torch
+
+        return buffer.view(torch.uint8).reshape(-1).numpy()
+    return np.frombuffer(buffer, dtype=np.uint8) if not isinstance(buffer, np.ndarray) else buffer.view(np.uint8)
+
+
+class HostTransfer:
+    def __init__(self, buffer):
+        self.buffer = _as_bytes(buffer)
+
+    def gather(self, group: CacheGroup, block: int) -> np.ndarray:
+        spans = page_spans(group, block)
+        out = np.empty(sum(n for _, n in spans), dtype=np.uint8)
+        at = 0
+        for offset, n in spans:
+            out[at:at + n] = self.buffer[offset:offset + n]
+            at += n
+        return out
+
+    def scatter(self, group: CacheGroup, block: int, page: np.ndarray) -> None:
+        at = 0
+        for offset, n in page_spans(group, block):
+            self.buffer[offset:offset + n] = page[at:at + n]
+            at += n
+
+    def save(self, store: Store, pages: Sequence[tuple[bytes, CacheGroup, int]]) -> list[bool]:
+        """Gather each (key, group, physical block) and store the batch; True per page made durable."""
+        return store.put_many([(key, self.gather(group, block)) for key, group, block in pages]) if pages else []
+
+    def load(self, store: Store, pages: Sequence[tuple[bytes, CacheGroup, int]]) -> list[bool]:
+        """Fetch the batch and scatter every page that arrived verified and of the exact page size; a
+        page of any other size is a miss (another layout's bytes can never land in this cache)."""
+        ok = [False] * len(pages)
+
+        def consume(i: int, view: memoryview) -> None:
+            _, group, block = pages[i]
+            if view.nbytes == group.used_bytes_per_block:
+                self.scatter(group, block, np.frombuffer(view, dtype=np.uint8))
+                ok[i] = True
+
+        if pages:
+            store.read_many([key for key, _, _ in pages], consume)
+        return ok

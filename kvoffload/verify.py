@@ -1,0 +1,298 @@
+"""`kvoffload verify`: prove that offloaded KV is exactly what the model needs.
+
+For a prompt set, run the bundled GLM runner cold (nothing in the store for this run: every run has its
+own key namespace), save through the runner connector, drop the device cache (with `restart`: in a new
+process), run warm from the store, and compare: identical greedy tokens, every restored page byte-equal
+to the page the cold run saved (BLAKE2b-256 of each page), every expected page restored, hit tokens as
+the layout predicts, and no page of a SKIP group (the kpool tail ring) ever stored or restored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .connectors.plan import max_hit_blocks, pages_for_load
+from .connectors.runner import RunnerConnector
+from .spec import GroupKind
+from .store import StoreConfigError, open_store, parse_url
+
+
+def builtin_cases(config, block_size: int) -> list[tuple[str, list[list[int]]]]:
+    """Named cases, each a batch of prompts run together: the edge cases of pools, blocks and top-k."""
+    gen = torch.Generator().manual_seed(1234)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(0, config.vocab_size, (n,), generator=gen).tolist()
+
+    kpool, topk, b = config.index_kpool, config.index_topk, block_size
+    shared = tokens(2 * b + b // 2)  # diverges mid-block
+    return [
+        ("shorter_than_kpool", [tokens(max(kpool - 1, 1))]),
+        ("equal_to_kpool", [tokens(kpool)]),
+        ("one_block", [tokens(b)]),
+        ("block_multiple", [tokens(3 * b)]),
+        ("block_multiple_plus_one", [tokens(2 * b + 1)]),
+        ("longer_than_topk", [tokens(max(topk + 2 * b + 3, 4 * b + 5))]),
+        ("shared_prefix_diverging_mid_block", [shared + tokens(b), shared + tokens(b // 2 + 3)]),
+        ("batch_of_three", [tokens(b + 5), tokens(2 * b + 7), tokens(3 * b + 2)]),
+    ]
+
+
+def read_prompt_file(path: str) -> list[tuple[str, list[list[int]]]]:
+    cases = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    cases.append((f"{os.path.basename(path)}:{number}", [[int(t) for t in line.split()]]))
+                except ValueError:
+                    raise ValueError(f"{path}:{number}: a prompt is space-separated token ids") from None
+    if not cases:
+        raise ValueError(f"{path}: no prompts")
+    return cases
+
+
+def default_model_dir(preset: str) -> str:
+    """The preset's checkpoint (seed 0), written once into the user cache and reused."""
+    from glm_integration.checkpoint import write_checkpoint
+    from glm_integration.config import preset as make_preset
+
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = os.path.join(base, "kvoffload", "models", f"{preset}-seed0")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        tmp = f"{path}.tmp{os.getpid()}"
+        write_checkpoint(make_preset(preset), 0, tmp)
+        os.replace(tmp, path)
+    return path
+
+
+def _digest(data) -> str:
+    return hashlib.blake2b(bytes(data), digest_size=32).hexdigest()
+
+
+@dataclass
+class PhaseResult:
+    """What one phase (cold or warm) saw, JSON-ready so it can cross a process restart."""
+
+    tokens: list[list[list[int]]] = field(default_factory=list)  # per case, per prompt
+    hit_tokens: list[list[int]] = field(default_factory=list)
+    loaded_tokens: list[list[int]] = field(default_factory=list)
+    prefill_seconds: list[list[float]] = field(default_factory=list)
+    pages: dict[str, dict] = field(default_factory=dict)  # key hex -> {group, kind, digest, bytes}
+    restored: list[list[list[str]]] = field(default_factory=list)  # per case, per prompt: key hexes
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+class _Recorder:
+    """Observer: digests of saved pages; restored pages re-read from the cache after the load."""
+
+    def __init__(self, layout, result: PhaseResult):
+        self.layout, self.result = layout, result
+        self.pending: list = []
+
+    def saved(self, page, data) -> None:
+        self.result.pages[page.key.hex()] = {"group": page.group.name, "kind": page.group.kind.value,
+                                             "digest": _digest(data), "bytes": int(data.nbytes)}
+
+    def loaded(self, page, block_id: int) -> None:
+        self.pending.append((page, block_id))
+
+
+class _VerifyingConnector(RunnerConnector):
+    def __init__(self, store, engine, recorder: _Recorder):
+        super().__init__(store, engine, recorder)
+        self.recorder = recorder
+        self.restored_now: list[str] = []
+
+    def on_admit(self, engine, request) -> None:
+        self.recorder.pending = []
+        super().on_admit(engine, request)
+        # read restored pages back from the cache, as the model will see them
+        self.restored_now = []
+        for page, block in self.recorder.pending:
+            data = self.offloader.transfer.gather(page.group, block)
+            self.recorder.result.pages.setdefault(page.key.hex(), {"group": page.group.name,
+                                                                   "kind": page.group.kind.value})
+            self.recorder.result.pages[page.key.hex()]["restored_digest"] = _digest(data)
+            self.restored_now.append(page.key.hex())
+        request.restored_keys = list(self.restored_now)
+
+
+def run_phase(model_dir: str, store, namespace: str, cases, block_size: int, max_tokens: int,
+              threads: int = 1, progress=None) -> PhaseResult:
+    """One cold or warm pass over every case, each on a fresh device cache. `store` is a URL (opened
+    here, stamped with the layout fingerprint) or an open `Store` shared with another phase."""
+    from glm_integration.cache import PagedCache
+    from glm_integration.engine import Engine
+    from glm_integration.loader import load_model
+
+    torch.set_num_threads(threads)
+    config, model, model_id = load_model(model_dir)
+    result = PhaseResult()
+    if isinstance(store, str):
+        fingerprint = PagedCache(config, block_size, 1, model_id=model_id, device="meta").layout.fingerprint
+        with open_store(store, fingerprint=fingerprint) as opened:
+            return run_phase(model_dir, opened, namespace, cases, block_size, max_tokens, threads, progress)
+    for name, prompts in cases:
+        need = sum((len(p) + max_tokens) // block_size + 2 for p in prompts) + 4
+        cache = PagedCache(config, block_size, need, model_id=model_id)  # a fresh, empty device cache
+        engine = Engine(model, cache, namespace=namespace)
+        recorder = _Recorder(cache.layout, result)
+        connector = _VerifyingConnector(store, engine, recorder)
+        requests = engine.generate(prompts, max_tokens)
+        result.tokens.append([r.output for r in requests])
+        result.hit_tokens.append([r.cached_tokens + r.loaded_tokens for r in requests])
+        result.loaded_tokens.append([r.loaded_tokens for r in requests])
+        result.prefill_seconds.append([r.prefill_seconds for r in requests])
+        result.restored.append([getattr(r, "restored_keys", []) for r in requests])
+        for k, v in connector.offloader.counters.items():
+            result.counters[k] = result.counters.get(k, 0) + v
+        if progress:
+            progress(f"  {name}: {len(prompts)} prompt(s), hit tokens {result.hit_tokens[-1]}")
+    return result
+
+
+@dataclass
+class PromptReport:
+    case: str
+    prompt_tokens: int
+    tokens_equal: bool
+    pages_equal: bool
+    hit_tokens: int
+    expected_hit_tokens: int
+    restored_pages: int
+    cold_prefill_seconds: float
+    warm_prefill_seconds: float
+
+
+def compare(cases, cold: PhaseResult, warm: PhaseResult, layout, block_size: int, namespace: str) -> dict:
+    """Judge a cold/warm pair against the layout (independently of what the connector did)."""
+    from kvoffload.spec import KeyChain
+
+    chain = KeyChain(layout.fingerprint, block_size, namespace=namespace)
+    reports, problems = [], []
+    saved = cold.pages
+    skip_pages = [k for k, p in {**saved, **warm.pages}.items() if p.get("kind") == GroupKind.SKIP.value
+                  or layout.group(p["group"]).kind is GroupKind.SKIP]
+    if skip_pages:
+        problems.append(f"{len(skip_pages)} page(s) of a SKIP group were stored or restored")
+    for p in saved.values():
+        if p["bytes"] != layout.group(p["group"]).used_bytes_per_block:
+            problems.append(f"a {p['group']} page of {p['bytes']} bytes (the group uses "
+                            f"{layout.group(p['group']).used_bytes_per_block})")
+            break
+    if any(cold.loaded_tokens[c][i] for c in range(len(cases)) for i in range(len(cases[c][1]))):
+        problems.append("the cold run loaded pages: the store was not empty for this run")
+    for c, (name, prompts) in enumerate(cases):
+        for i, prompt in enumerate(prompts):
+            hit = warm.hit_tokens[c][i]
+            expected = max_hit_blocks(layout, len(prompt)) * block_size
+            keys = chain.keys(prompt)
+            loaded_from = (hit - warm.loaded_tokens[c][i]) // block_size
+            wanted = {p.key.hex() for p in pages_for_load(layout, keys, loaded_from, hit // block_size)}
+            restored = warm.restored[c][i]
+            pages_equal = set(restored) == wanted and all(
+                warm.pages[k].get("restored_digest") == saved.get(k, {}).get("digest") for k in restored)
+            reports.append(PromptReport(
+                case=name, prompt_tokens=len(prompt), tokens_equal=cold.tokens[c][i] == warm.tokens[c][i],
+                pages_equal=pages_equal, hit_tokens=hit, expected_hit_tokens=expected,
+                restored_pages=len(restored), cold_prefill_seconds=cold.prefill_seconds[c][i],
+                warm_prefill_seconds=warm.prefill_seconds[c][i]))
+    blocks_saved = {}
+    for p in saved.values():
+        blocks_saved.setdefault(p["group"], 0)
+        blocks_saved[p["group"]] += 1
+    stored_bytes = sum(p["bytes"] for p in saved.values())
+    paged = [g for g in layout.cacheable_groups if g.kind is GroupKind.PAGED]
+    stored_blocks = max((blocks_saved.get(g.name, 0) for g in paged), default=0)
+    ok = not problems and all(r.tokens_equal and r.pages_equal and r.hit_tokens == r.expected_hit_tokens
+                              for r in reports)
+    return {
+        "ok": ok,
+        "problems": problems,
+        "prompts": [asdict(r) for r in reports],
+        "totals": {
+            "prompts": len(reports),
+            "tokens_equal": sum(r.tokens_equal for r in reports),
+            "pages_equal": sum(r.pages_equal for r in reports),
+            "hit_tokens": sum(r.hit_tokens for r in reports),
+            "restored_pages": sum(r.restored_pages for r in reports),
+            "stored_pages": len(saved),
+            "stored_bytes": stored_bytes,
+            "stored_bytes_per_token": stored_bytes / (stored_blocks * block_size) if stored_blocks else 0.0,
+            "expected_bytes_per_token": layout.stored_bytes_per_block() / block_size,
+            "whole_packed_block_bytes_per_token": len(layout.cacheable_groups) * layout.groups[0].regions[0]
+            .block_stride / block_size,
+            "bytes_per_token_by_group": {g.name: g.used_bytes_per_block / block_size for g in layout.cacheable_groups},
+            "cold_prefill_seconds": sum(r.cold_prefill_seconds for r in reports),
+            "warm_prefill_seconds": sum(r.warm_prefill_seconds for r in reports),
+        },
+    }
+
+
+def verify(store_url: str, *, model_dir: str | None = None, preset: str = "tiny", prompts_file: str | None = None,
+           restart: bool = False, block_size: int = 16, max_tokens: int = 8, progress=None) -> dict:
+    progress = progress or (lambda message: None)
+    if restart and parse_url(store_url).scheme == "memory":
+        raise StoreConfigError("memory:// does not survive a restart: use lmdb:// or tiered:// with --restart")
+    model_dir = model_dir or default_model_dir(preset)
+    from glm_integration.cache import PagedCache
+    from glm_integration.config import GlmConfig
+    from glm_integration.loader import checkpoint_id
+
+    config = GlmConfig.from_pretrained(model_dir)
+    cases = read_prompt_file(prompts_file) if prompts_file else builtin_cases(config, block_size)
+    namespace = f"verify/{uuid.uuid4()}"
+    layout = PagedCache(config, block_size, 1, model_id=checkpoint_id(model_dir), device="meta").layout
+    with open_store(store_url, fingerprint=layout.fingerprint) as store:
+        progress(f"[verify] cold run of {sum(len(p) for _, p in cases)} prompts -> {store_url}")
+        cold = run_phase(model_dir, store, namespace, cases, block_size, max_tokens, progress=progress)
+        if not restart:
+            progress("[verify] device cache dropped; warm run")
+            warm = run_phase(model_dir, store, namespace, cases, block_size, max_tokens, progress=progress)
+    if restart:
+        progress("[verify] device cache dropped, process restarted; warm run")
+        warm = _warm_in_new_process(model_dir, store_url, namespace, cases, block_size, max_tokens)
+    report = compare(cases, cold, warm, layout, block_size, namespace)
+    report.update({"store": store_url, "restart": restart, "model": model_dir, "block_size": block_size,
+                   "max_tokens": max_tokens, "counters": {"cold": cold.counters, "warm": warm.counters}})
+    return report
+
+
+def _warm_in_new_process(model_dir, store_url, namespace, cases, block_size, max_tokens) -> PhaseResult:
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, out = os.path.join(tmp, "phase.json"), os.path.join(tmp, "result.json")
+        with open(spec, "w") as f:
+            json.dump({"model_dir": model_dir, "store_url": store_url, "namespace": namespace, "cases": cases,
+                       "block_size": block_size, "max_tokens": max_tokens}, f)
+        proc = subprocess.run([sys.executable, "-m", "kvoffload.verify", spec, out], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the warm process failed ({proc.returncode}): {proc.stderr[-2000:]}")
+        with open(out) as f:
+            return PhaseResult(**json.load(f))
+
+
+def _warm_phase_main(spec_path: str, out_path: str) -> int:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    started = time.perf_counter()
+    result = run_phase(spec["model_dir"], spec["store_url"], spec["namespace"],
+                       [(name, prompts) for name, prompts in spec["cases"]], spec["block_size"], spec["max_tokens"])
+    result.counters["warm_process_seconds"] = int(time.perf_counter() - started)
+    with open(out_path, "w") as f:
+        json.dump(asdict(result), f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_warm_phase_main(*sys.argv[1:3]))

@@ -1,4 +1,5 @@
-"""The `kvoffload` command: `demo` (the main job of `make demo`) and `inspect` (a store's contents)."""
+"""The `kvoffload` command: `demo` (the main job of `make demo`), `verify` (cold/warm proof on the
+bundled GLM runner) and `inspect` (a store's statistics)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,33 @@ import sys
 from .store import StoreConfigError, open_store
 
 
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _print_report(report: dict, as_json: bool) -> int:
+    from .demo import report_lines
+
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        print("\n".join(report_lines(report)))
+    return 0 if report["ok"] else 1
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    report = run_demo(store_dir=args.store_dir, prompts=args.prompts)
-    if args.json:
-        print(json.dumps(report.__dict__, indent=2, default=str))
-    else:
-        print("\n".join(report.lines()))
-    return 0 if report.pages_equal else 1
+    return _print_report(run_demo(args.store, progress=_progress), args.json)
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .verify import verify
+
+    report = verify(args.store, model_dir=args.model, preset=args.preset, prompts_file=args.prompts,
+                    restart=args.restart, block_size=args.block_size, max_tokens=args.max_tokens,
+                    progress=None if args.quiet else _progress)
+    return _print_report(report, args.json)
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -29,18 +48,31 @@ def _inspect(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvoffload", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="offload to the default LMDB store, reopen, verify, report")
-    demo.add_argument("--store-dir", help="LMDB directory (default: ~/.cache/kvoffload/demo-store)")
-    demo.add_argument("--prompts", type=int, default=8)
+    demo = sub.add_parser("demo", help="cold run, offload to LMDB, restart, warm run, report")
+    demo.add_argument("--store", help="store URL (default: LMDB under ~/.cache/kvoffload/demo-store)")
     demo.add_argument("--json", action="store_true", help="print the report as JSON")
     demo.set_defaults(func=_demo)
+    ver = sub.add_parser("verify", help="prove cold == warm on the bundled runner; exit 0 only if all equal")
+    ver.add_argument("--store", default="memory://?capacity=1GiB", help="memory://, lmdb:// or tiered:// URL")
+    source = ver.add_mutually_exclusive_group()
+    source.add_argument("--preset", default="tiny", help="a runner preset, checkpoint written once (default tiny)")
+    source.add_argument("--model", help="a GLM-5.3-Flash checkpoint directory")
+    ver.add_argument("--prompts", help="file with one prompt per line, space-separated token ids "
+                                       "(default: the built-in edge cases)")
+    ver.add_argument("--restart", action="store_true", help="run the warm phase in a new process")
+    ver.add_argument("--block-size", type=int, default=16)
+    ver.add_argument("--max-tokens", type=int, default=8, help="greedy decode steps compared per prompt")
+    ver.add_argument("--json", action="store_true", help="per prompt: tokens_equal, pages_equal, hit_tokens, "
+                                                         "cold and warm prefill seconds; totals")
+    ver.add_argument("--quiet", action="store_true", help="no progress output")
+    ver.set_defaults(func=_verify)
     inspect = sub.add_parser("inspect", help="print a store's statistics as JSON")
     inspect.add_argument("url", help="store URL, e.g. lmdb:///var/cache/kvoffload")
     inspect.set_defaults(func=_inspect)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except StoreConfigError as exc:
+    except (StoreConfigError, ValueError, FileNotFoundError) as exc:
         print(f"kvoffload: {exc}", file=sys.stderr)
         return 2
 

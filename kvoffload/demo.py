@@ -1,122 +1,50 @@
-"""`kvoffload demo`: a store round trip on the embedded default (LMDB in a local cache directory).
-
-It offloads the cacheable pages of a synthetic GLM-5.3-Flash-shaped cache (MLA latent + DSA indexer
-pages, three KDA state checkpoints; the kpool tail ring is skipped), keyed by the chained block keys,
-then reopens the store the way a restarted process would and checks every page byte for byte.
-"""
+"""`kvoffload demo`, the main job of `make demo`: the tiny GLM-5.3-Flash runner cold, offload to the
+embedded default store (LMDB in the local cache directory), a process restart, the warm run from disk,
+and a short report: hits, equality, bytes stored per token by group, prefill cold vs warm, throughput."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import time
-from dataclasses import dataclass
 
-import numpy as np
-
-from .spec import CacheGroup, CacheLayout, GroupKind, KeyChain, Region, page_key
-from .store import open_store
+from .verify import verify
 
 
-def default_store_dir() -> str:
+def default_store_url() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "kvoffload", "demo-store")
+    return f"lmdb://{os.path.join(base, 'kvoffload', 'demo-store')}?capacity=1GiB"
 
 
-def demo_layout(num_blocks: int = 64) -> CacheLayout:
-    """A GLM-5.3-Flash-shaped packed cache at small width: block 16 tokens, index_kpool 4."""
-    block = 16
-    latent, indexer = block * 32 * 4, (block // 4) * 132  # fp32 latent rows; fp8 pooled rows + scale
-    kda = 3 * 128 * 3 * 2 + 4 * 32 * 32 * 4  # bf16 conv window + fp32 recurrent S, per layer
-    tail = 8 * 128 * 2
-    stride = 2 * latent + 2 * indexer
-    stride = max(stride, 2 * kda)
-
-    def region(offset, layer_stride, names, used, dtype):
-        return Region(0, offset, layer_stride, stride, tuple(names), used, used, dtype)
-
-    groups = (
-        CacheGroup(0, "kda0", GroupKind.STATE, block, (region(0, kda, ["l0", "l5"], kda, "bfloat16+float32"),)),
-        CacheGroup(1, "kda1", GroupKind.STATE, block, (region(0, kda, ["l1", "l6"], kda, "bfloat16+float32"),)),
-        CacheGroup(2, "kda2", GroupKind.STATE, block, (region(0, kda, ["l3", "l8"], kda, "bfloat16+float32"),)),
-        CacheGroup(3, "mla", GroupKind.PAGED, block,
-                   (region(0, latent, ["l2.attn", "l7.attn"], latent, "float32"),
-                    region(2 * latent, indexer, ["l2.indexer", "l7.indexer"], indexer, "uint8")),
-                   tokens_per_state=4),
-        CacheGroup(4, "tail", GroupKind.SKIP, 8, (region(0, tail, ["l2.tail", "l7.tail"], tail, "bfloat16"),)),
-    )
-    return CacheLayout(model_id="demo/glm5next-shaped", groups=groups, block_size=block, hash_block_size=block,
-                       hit_alignment=block, num_blocks=num_blocks, buffer_sizes=(stride * num_blocks,),
-                       index_kpool=4)
+def _rate(nbytes: int, microseconds: int) -> str:
+    return f"{nbytes / max(microseconds, 1):.0f} MB/s" if microseconds else "n/a"
 
 
-@dataclass
-class DemoReport:
-    store_url: str
-    prompts: int
-    blocks: int
-    pages: int
-    stored_bytes: int
-    save_seconds: float
-    load_seconds: float
-    pages_equal: bool
-    bytes_per_token: dict[str, int]
-    stats: dict
-
-    def lines(self) -> list[str]:
-        mb = self.stored_bytes / 1e6
-        return [
-            f"store            {self.store_url}",
-            f"saved            {self.pages} pages for {self.blocks} blocks of {self.prompts} prompts ({mb:.1f} MB)",
-            f"bytes per token  " + ", ".join(f"{k} {v}" for k, v in self.bytes_per_token.items()),
-            f"save             {self.save_seconds * 1e3:.0f} ms ({mb / max(self.save_seconds, 1e-9):.0f} MB/s, durable)",
-            f"load (reopened)  {self.load_seconds * 1e3:.0f} ms ({mb / max(self.load_seconds, 1e-9):.0f} MB/s, verified)",
-            f"pages equal      {'yes' if self.pages_equal else 'NO'}",
-            f"misses / checksum failures  {self.stats.get('misses', 0)} / {self.stats.get('checksum_failures', 0)}",
-        ]
+def report_lines(report: dict) -> list[str]:
+    t, cold, warm = report["totals"], report["counters"]["cold"], report["counters"]["warm"]
+    by_group = " + ".join(f"{name} {v:.0f}" for name, v in t["bytes_per_token_by_group"].items())
+    expected = sum(p["expected_hit_tokens"] for p in report["prompts"])
+    cases = len({p["case"] for p in report["prompts"]})
+    return [
+        f"store            {report['store']}" + ("  (warm run in a new process)" if report["restart"] else ""),
+        f"prompts          {t['prompts']} in {cases} cases, {report['max_tokens']} new tokens each",
+        f"tokens equal     {t['tokens_equal']}/{t['prompts']} (cold vs warm, greedy)",
+        f"pages equal      {t['pages_equal']}/{t['prompts']} ({t['restored_pages']} restored pages, byte for byte)",
+        f"hit tokens       {t['hit_tokens']} of {expected} expected",
+        f"stored per token {t['stored_bytes_per_token']:.0f} B (expected {t['expected_bytes_per_token']:.0f} B = "
+        f"{by_group}; tail ring 0)",
+        f"                 storing the whole packed block under every group key would take "
+        f"{t['whole_packed_block_bytes_per_token']:.0f} B per token",
+        f"prefill          cold {t['cold_prefill_seconds'] * 1e3:.0f} ms, warm {t['warm_prefill_seconds'] * 1e3:.0f} ms "
+        f"(warm computes only the uncached suffix)",
+        f"throughput       save {_rate(cold.get('saved_bytes', 0), cold.get('save_microseconds', 0))}, "
+        f"load {_rate(warm.get('loaded_bytes', 0), warm.get('load_microseconds', 0))}",
+        *(f"PROBLEM          {p}" for p in report["problems"]),
+        f"result           {'OK' if report['ok'] else 'MISMATCH'}",
+    ]
 
 
-def run_demo(store_dir: str | None = None, prompts: int = 8, prompt_blocks: int = 16, seed: int = 0,
-             progress=None) -> DemoReport:
+def run_demo(store_url: str | None = None, progress=None) -> dict:
     progress = progress or (lambda message: print(message, file=sys.stderr, flush=True))
-    layout = demo_layout()
-    store_dir = store_dir or default_store_dir()
-    shutil.rmtree(store_dir, ignore_errors=True)  # the demo starts cold every time
-    url = f"lmdb://{store_dir}?capacity=1GiB"
-    rng = np.random.default_rng(seed)
-    chain = KeyChain(layout.fingerprint, layout.block_size, namespace="demo")
-    pages: dict[bytes, np.ndarray] = {}
-    for p in range(prompts):
-        tokens = rng.integers(0, 512, size=prompt_blocks * layout.block_size).tolist()
-        for block_key in chain.keys(tokens):
-            for group in layout.cacheable_groups:
-                pages[page_key(block_key, group.name)] = rng.integers(
-                    0, 256, group.used_bytes_per_block, dtype=np.uint8)
-    progress(f"[demo] {len(pages)} pages of {len(layout.cacheable_groups)} cacheable groups "
-             f"(tail ring skipped) -> {url}")
-
-    with open_store(url, fingerprint=layout.fingerprint) as store:
-        start = time.perf_counter()
-        items = list(pages.items())
-        for i in range(0, len(items), 64):
-            if not all(store.put_many(items[i:i + 64])):
-                raise RuntimeError(f"store refused pages: {store.stats()}")
-        save_seconds = time.perf_counter() - start
-    progress("[demo] saved and closed; reopening as a restarted process would")
-
-    with open_store(url, fingerprint=layout.fingerprint) as store:
-        outs = {k: np.empty_like(v) for k, v in pages.items()}
-        start = time.perf_counter()
-        keys = list(pages)
-        sizes = store.get_many(keys, [outs[k] for k in keys])
-        load_seconds = time.perf_counter() - start
-        equal = all(s == pages[k].nbytes for s, k in zip(sizes, keys)) and all(
-            np.array_equal(outs[k], pages[k]) for k in keys)
-        stats = store.stats()
-    return DemoReport(
-        store_url=url, prompts=prompts, blocks=prompts * prompt_blocks, pages=len(pages),
-        stored_bytes=sum(v.nbytes for v in pages.values()), save_seconds=save_seconds, load_seconds=load_seconds,
-        pages_equal=equal,
-        bytes_per_token={g.name: g.used_bytes_per_block // layout.block_size for g in layout.groups if g.cacheable},
-        stats=stats)
+    url = store_url or default_store_url()
+    progress(f"[demo] tiny GLM-5.3-Flash runner, store {url}")
+    return verify(url, preset="tiny", restart=True, progress=progress)

@@ -275,9 +275,9 @@ def _warm_in_new_process(model_dir, store_url, namespace, cases, block_size, max
         with open(spec, "w") as f:
             json.dump({"model_dir": model_dir, "store_url": store_url, "namespace": namespace, "cases": cases,
                        "block_size": block_size, "max_tokens": max_tokens}, f)
-        proc = subprocess.run([sys.executable, "-m", "kvoffload.verify", spec, out], capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-m", "kvoffload.verify", spec, out])  # progress on stderr
         if proc.returncode != 0:
-            raise RuntimeError(f"the warm process failed ({proc.returncode}): {proc.stderr[-2000:]}")
+            raise RuntimeError(f"the warm process failed with exit status {proc.returncode}")
         with open(out) as f:
             return PhaseResult(**json.load(f))
 
@@ -287,7 +287,8 @@ def _warm_phase_main(spec_path: str, out_path: str) -> int:
         spec = json.load(f)
     started = time.perf_counter()
     result = run_phase(spec["model_dir"], spec["store_url"], spec["namespace"],
-                       [(name, prompts) for name, prompts in spec["cases"]], spec["block_size"], spec["max_tokens"])
+                       [(name, prompts) for name, prompts in spec["cases"]], spec["block_size"], spec["max_tokens"],
+                       progress=lambda message: print(message, file=sys.stderr, flush=True))
     result.counters["warm_process_seconds"] = int(time.perf_counter() - started)
     with open(out_path, "w") as f:
         json.dump(asdict(result), f)

@@ -7,6 +7,7 @@ False (the engine recomputes those blocks) and `save` store fewer pages; both ar
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Protocol
@@ -48,6 +49,7 @@ class Offloader:
     def load(self, block_keys: Sequence[bytes], start: int, end: int, block_ids: Sequence[int]) -> bool:
         """Restore blocks [start, end) into `block_ids` (the request's block table); all or nothing."""
         pages = pages_for_load(self.layout, block_keys, start, end)
+        started = time.perf_counter()
         try:
             ok = self.transfer.load(self.store, [(p.key, p.group, block_ids[p.index]) for p in pages])
         except Exception as exc:  # noqa: BLE001
@@ -57,6 +59,7 @@ class Offloader:
             self.counters["load_failures"] += 1
             self.counters["pages_missing"] += ok.count(False)
             return False
+        self.counters["load_microseconds"] += int((time.perf_counter() - started) * 1e6)
         self.counters["loaded_pages"] += len(pages)
         self.counters["loaded_bytes"] += sum(p.group.used_bytes_per_block for p in pages)
         if self.observer:
@@ -75,7 +78,9 @@ class Offloader:
             if self.observer:
                 for page, (_, group, block) in zip(todo, batch):
                     self.observer.saved(page, self.transfer.gather(group, block))
+            started = time.perf_counter()
             written = self.transfer.save(self.store, batch)
+            self.counters["save_microseconds"] += int((time.perf_counter() - started) * 1e6)
         except Exception as exc:  # noqa: BLE001
             log.error("kvoffload save failed: %s", exc)
             self.counters["save_errors"] += 1

@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from typing import Protocol, Union
 
 import numpy as np
 
@@ -19,6 +19,16 @@ from ..store import Store
 from .plan import Page, hit_blocks, pages_for_load, pages_for_save
 
 log = logging.getLogger(__name__)
+
+# A request's block table: one for every group (the bundled runner), or one per group index (vLLM's
+# hybrid allocator gives each group its own block IDs).
+BlockTable = Union[Sequence[int], Mapping[int, Sequence[int]]]
+
+
+def physical_block(table: BlockTable, page: Page) -> int:
+    if isinstance(table, Mapping):
+        return table[page.group.index][page.index]
+    return table[page.index]
 
 
 class Observer(Protocol):
@@ -33,6 +43,7 @@ class Offloader:
     def __init__(self, store: Store, layout: CacheLayout, transfer, observer: Observer | None = None):
         self.store, self.layout, self.transfer, self.observer = store, layout, transfer, observer
         self.counters: Counter[str] = Counter()
+        self.missing_keys: list[bytes] = []  # pages the last failed load did not find
 
     def lookup(self, block_keys: Sequence[bytes], num_prompt_tokens: int, have_blocks: int = 0) -> int:
         """Blocks a load could restore in total (>= have_blocks, what the engine already holds)."""
@@ -46,47 +57,52 @@ class Offloader:
         self.counters["hit_blocks"] += found - have_blocks
         return found
 
-    def load(self, block_keys: Sequence[bytes], start: int, end: int, block_ids: Sequence[int]) -> bool:
-        """Restore blocks [start, end) into `block_ids` (the request's block table); all or nothing."""
+    def load(self, block_keys: Sequence[bytes], start: int, end: int, block_ids: BlockTable) -> bool:
+        """Restore blocks [start, end) into the request's block table; all or nothing."""
         pages = pages_for_load(self.layout, block_keys, start, end)
         started = time.perf_counter()
         try:
-            ok = self.transfer.load(self.store, [(p.key, p.group, block_ids[p.index]) for p in pages])
+            ok = self.transfer.load(self.store, [(p.key, p.group, physical_block(block_ids, p)) for p in pages])
         except Exception as exc:  # noqa: BLE001
             log.error("kvoffload load failed: %s", exc)
             ok = [False]
         if not all(ok):
             self.counters["load_failures"] += 1
             self.counters["pages_missing"] += ok.count(False)
+            self.missing_keys = [p.key for p, good in zip(pages, ok) if not good]
             return False
         self.counters["load_microseconds"] += int((time.perf_counter() - started) * 1e6)
         self.counters["loaded_pages"] += len(pages)
         self.counters["loaded_bytes"] += sum(p.group.used_bytes_per_block for p in pages)
         if self.observer:
             for page in pages:
-                self.observer.loaded(page, block_ids[page.index])
+                self.observer.loaded(page, physical_block(block_ids, page))
         return True
 
     def save(self, block_keys: Sequence[bytes], full_blocks: int, state_blocks: Sequence[int],
-             block_ids: Sequence[int]) -> int:
+             block_ids: BlockTable) -> int:
         """Store the pages of computed blocks that the store lacks; the number of pages written."""
         pages = pages_for_save(self.layout, block_keys, full_blocks, state_blocks)
+        return len(self.save_pages([(p, physical_block(block_ids, p)) for p in pages]))
+
+    def save_pages(self, pages: Sequence[tuple[Page, int]]) -> list[Page]:
+        """Store explicit (page, physical block) pairs, skipping pages already stored; the pages written."""
         try:
-            present = self.store.contains_many([p.key for p in pages])
-            todo = [p for p, there in zip(pages, present) if not there]
-            batch = [(p.key, p.group, block_ids[p.index]) for p in todo]
+            present = self.store.contains_many([p.key for p, _ in pages])
+            todo = [(p, block) for (p, block), there in zip(pages, present) if not there]
+            batch = [(p.key, p.group, block) for p, block in todo]
             if self.observer:
-                for page, (_, group, block) in zip(todo, batch):
-                    self.observer.saved(page, self.transfer.gather(group, block))
+                for page, block in todo:
+                    self.observer.saved(page, self.transfer.gather(page.group, block))
             started = time.perf_counter()
             written = self.transfer.save(self.store, batch)
             self.counters["save_microseconds"] += int((time.perf_counter() - started) * 1e6)
         except Exception as exc:  # noqa: BLE001
             log.error("kvoffload save failed: %s", exc)
             self.counters["save_errors"] += 1
-            return 0
+            return []
         self.counters["saved_pages"] += sum(written)
-        self.counters["saved_bytes"] += sum(p.group.used_bytes_per_block for p, w in zip(todo, written) if w)
+        self.counters["saved_bytes"] += sum(p.group.used_bytes_per_block for (p, _), w in zip(todo, written) if w)
         self.counters["save_skipped_present"] += len(pages) - len(todo)
         self.counters["save_dropped"] += len(written) - sum(written)
-        return sum(written)
+        return [p for (p, _), w in zip(todo, written) if w]

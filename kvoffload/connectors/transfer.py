@@ -66,3 +66,28 @@ class HostTransfer:
         if pages:
             store.read_many([key for key, _, _ in pages], consume)
         return ok
+
+
+class TorchTransfer(HostTransfer):
+    """The same page moves on a buffer in device memory, with torch copies (no numpy view of device
+    memory exists). Correct everywhere; the batched, pinned, asynchronous path is the GPU transfer's."""
+
+    def __init__(self, buffer):
+        import torch
+
+        self.buffer = buffer.view(torch.uint8).reshape(-1)
+
+    def gather(self, group: CacheGroup, block: int) -> np.ndarray:
+        import torch
+
+        spans = page_spans(group, block)
+        return torch.cat([self.buffer[o:o + n] for o, n in spans]).cpu().numpy()
+
+    def scatter(self, group: CacheGroup, block: int, page: np.ndarray) -> None:
+        import torch
+
+        source = torch.from_numpy(np.ascontiguousarray(page)).to(self.buffer.device)
+        at = 0
+        for offset, n in page_spans(group, block):
+            self.buffer[offset:offset + n].copy_(source[at:at + n])
+            at += n

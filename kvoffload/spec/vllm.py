@@ -55,14 +55,23 @@ def _used_bytes(spec) -> int:
     return int(spec.real_page_size_bytes)
 
 
-def _group_label(spec) -> str:
-    from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec
+def group_name(index: int, kind: GroupKind) -> str:
+    """Names depend only on what the scheduler and every worker both see (index and kind), because
+    page keys include them."""
+    return f"g{index}-{kind.value}"
 
-    if isinstance(spec, MambaSpec):
-        return "state"
-    if isinstance(spec, MLAAttentionSpec):
-        return "mla"
-    return "attn"
+
+def group_kinds(kv_cache_config) -> list[GroupKind]:
+    """The kind of every group, from the specs alone (enough for the scheduler side, whose config
+    replaces uniform-type wrappers by one layer's spec)."""
+    kinds = []
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        per_layer = _layer_specs(group.kv_cache_spec) or {"": group.kv_cache_spec}
+        found = {_kind(spec, index, getattr(group, "enable_kv_transfer", True)) for spec in per_layer.values()}
+        if len(found) != 1:
+            raise UnsupportedLayoutError(f"cache group {index} mixes cache kinds {sorted(k.value for k in found)}")
+        kinds.append(found.pop())
+    return kinds
 
 
 def _regions(layer_names, specs_by_layer, tensor_of) -> tuple[Region, ...]:
@@ -106,14 +115,9 @@ def from_vllm(kv_cache_config, *, model_id: str = "", tp_rank: int = 0, tp_size:
 
     groups: list[CacheGroup] = []
     kpools: set[int] = set()
-    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+    for index, (group, kind) in enumerate(zip(kv_cache_config.kv_cache_groups, group_kinds(kv_cache_config))):
         group_spec = group.kv_cache_spec
         per_layer = _layer_specs(group_spec) or {name: group_spec for name in group.layer_names}
-        kinds = {_kind(spec, index, getattr(group, "enable_kv_transfer", True)) for spec in per_layer.values()}
-        if len(kinds) != 1:
-            raise UnsupportedLayoutError(f"cache group {index} mixes cache kinds {sorted(k.value for k in kinds)}")
-        kind = kinds.pop()
-        first = next(iter(per_layer.values()))
         tokens_per_state = 1
         for spec in per_layer.values():
             tps = getattr(spec, "tokens_per_state", 1)
@@ -123,7 +127,7 @@ def from_vllm(kv_cache_config, *, model_id: str = "", tp_rank: int = 0, tp_size:
                     kpools.add(tps)
         spec_types = sorted({type(s).__name__ for s in per_layer.values()})
         groups.append(CacheGroup(
-            index=index, name=f"g{index}-{'skip' if kind is GroupKind.SKIP else _group_label(first)}",
+            index=index, name=group_name(index, kind),
             kind=kind, block_size=int(group_spec.block_size),
             regions=_regions(group.layer_names, per_layer, tensor_of),
             tokens_per_state=tokens_per_state, spec_type="/".join(spec_types)))

@@ -17,7 +17,7 @@ from .url import parse_bool, parse_size, parse_url
 DEFAULT_MEMORY_CAPACITY = "4GiB"
 DEFAULT_LMDB_CAPACITY = "100GiB"
 
-__all__ = ["Store", "open_store", "MemoryStore", "LMDBStore", "TieredStore", "StoreConfigError",
+__all__ = ["Store", "open_store", "shared_store", "MemoryStore", "LMDBStore", "TieredStore", "StoreConfigError",
            "EntryTooLargeError", "IncompatibleStoreError", "parse_size"]
 
 
@@ -53,3 +53,28 @@ def open_store(url: str, *, fingerprint: bytes | str | None = None) -> Store:
                          fingerprint=fingerprint)
         return TieredStore(front, back, url=url)
     raise StoreConfigError(f"unknown store scheme {parsed.scheme!r} in {url!r}: use memory://, lmdb:// or tiered://")
+
+
+_shared: dict[str, Store] = {}
+_shared_lock = __import__("threading").Lock()
+
+
+def shared_store(url: str, *, fingerprint: bytes | str | None = None) -> Store:
+    """One store per URL per process, for components of one engine that live in the same process
+    (vLLM's scheduler and a single worker): a memory tier is then truly shared, and an LMDB
+    environment is opened once, as LMDB requires. A fingerprint given later fills one left unset."""
+    with _shared_lock:
+        store = _shared.get(url)
+        if store is None:
+            store = _shared[url] = open_store(url, fingerprint=fingerprint)
+        elif fingerprint is not None:
+            _adopt_fingerprint(store, fingerprint)
+        return store
+
+
+def _adopt_fingerprint(store: Store, fingerprint) -> None:
+    from .entry import normalize_fingerprint
+
+    for tier in (store, getattr(store, "back", None)):
+        if tier is not None and hasattr(tier, "fingerprint") and not any(tier.fingerprint):
+            tier.fingerprint = normalize_fingerprint(fingerprint)

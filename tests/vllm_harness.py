@@ -461,9 +461,11 @@ def vllm_serve(model_dir: str, args: list[str], port: int | None = None, *,
     """Start ``vllm serve model_dir --host 127.0.0.1 --port PORT *args`` (CPU build, through the
     "+cpu" version wrapper), wait for ``/health``, yield the base URL ``http://127.0.0.1:PORT``;
     on exit SIGINT (graceful), then SIGTERM / SIGKILL to the process group.  Output goes to
-    ``log_path`` (a temp file by default; ``url.log_path``)."""
+    ``log_path`` (default: a temp file, ``url.log_path``, removed on exit; start-up failures
+    raise :class:`HarnessError` with its tail)."""
     port = port or free_port()
-    if log_path is None:
+    own_log = log_path is None
+    if own_log:
         fd, log_path = tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")
         os.close(fd)
     cmd = [sys.executable, HARNESS, "vllm", "serve", os.path.abspath(model_dir),
@@ -491,6 +493,9 @@ def vllm_serve(model_dir: str, args: list[str], port: int | None = None, *,
         yield base
     finally:
         _stop_group(proc, first=signal.SIGINT, grace=30.0)
+        if own_log:
+            with contextlib.suppress(OSError):
+                os.remove(log_path)
 
 
 def _tail(path: str, n: int = 6000) -> str:

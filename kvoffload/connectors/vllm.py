@@ -40,6 +40,7 @@ from ..store import parse_url, shared_store
 from .offloader import Offloader
 from .plan import Page, hit_blocks
 from .transfer import HostTransfer, TorchTransfer
+from .vllm_metrics import COUNTERS, KVOffloadPromMetrics, KVOffloadStats
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -326,6 +327,25 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self) -> StoredPages | None:
         report, self._report = self._report, StoredPages()
         return report if report.added or report.missing else None
+
+    # ------------------------------------------------------------------ metrics
+    def get_kv_connector_stats(self) -> KVOffloadStats | None:
+        if getattr(self, "offloader", None) is None:  # the scheduler side moves no bytes
+            return None
+        now = dict(self.offloader.counters)
+        now["checksum_failures"] = int(self.offloader.store.stats().get("checksum_failures", 0))
+        last = getattr(self, "_last_counters", {})
+        self._last_counters = now
+        delta = {k: now.get(k, 0) - last.get(k, 0) for k in COUNTERS}
+        return KVOffloadStats(data=delta) if any(delta.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVOffloadStats:
+        return KVOffloadStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KVOffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

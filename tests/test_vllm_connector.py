@@ -1,0 +1,145 @@
+"""KVOffloadConnector in the real vLLM engine (CPU build): cold run, local prefix cache reset, warm run
+served by the connector; across an engine restart; with faulty stores; behind `vllm serve`. Each engine
+start costs ~30 s on 2 cores, so every test starts as few engines as it can."""
+
+import os
+import textwrap
+
+import lmdb
+import pytest
+
+pytest.importorskip("vllm", reason="the connector tests need vLLM (installed by `make test`)")
+
+import vllm_harness as vh  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 32
+PROMPT_A = [(7 * i + 3) % 500 + 3 for i in range(80)]  # 2 full blocks + 16: hit 64
+PROMPT_B = [(11 * i + 5) % 500 + 3 for i in range(100)]  # 3 full blocks + 4: hit 96
+LONG = [(13 * i + 1) % 500 + 3 for i in range(300)]  # for the hybrid model's larger block
+
+
+def connector(store: str, **extra) -> dict:
+    return {"kv_connector": "KVOffloadConnector", "kv_connector_module_path": "kvoffload.connectors.vllm",
+            "kv_role": "kv_both", "kv_connector_extra_config": {"store": store, **extra}}
+
+
+def store_url(tier: str, tmp_path) -> str:
+    return {"memory": "memory://?capacity=512MiB",
+            "lmdb": f"lmdb://{tmp_path}/store?capacity=1GiB",
+            "tiered": f"tiered://?memory=128MiB&lmdb={tmp_path}/store&lmdb_capacity=1GiB"}[tier]
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return vh.tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    return vh.tiny_qwen3_next(str(tmp_path_factory.mktemp("tiny-qwen3-next")))
+
+
+def _assert_served(cold, warm, expected_external=None):
+    for c, w in zip(cold, warm):
+        assert c["num_external_cached_tokens"] == 0 and c["num_cached_tokens"] == 0
+        assert w["tokens"] == c["tokens"], "warm tokens differ from cold"
+        assert w["num_local_cached_tokens"] == 0, "the local prefix cache was reset: hits must be the connector's"
+        assert w["num_external_cached_tokens"] > 0
+    if expected_external is not None:
+        assert [w["num_external_cached_tokens"] for w in warm] == expected_external
+
+
+@pytest.mark.parametrize("tier", ["memory", "lmdb", "tiered"])
+def test_llama_cold_reset_warm(llama_dir, tmp_path, tier):
+    cold, warm = vh.run_generations(llama_dir, connector(store_url(tier, tmp_path)), [[PROMPT_A, PROMPT_B]] * 2,
+                                    dtype="float32", block_size=BLOCK)
+    _assert_served(cold, warm, [64, 96])
+
+
+@pytest.mark.parametrize("tier", ["memory", "lmdb", "tiered"])
+def test_qwen3_next_hybrid_cold_reset_warm(qwen_dir, tmp_path, tier):
+    """Mamba (gated delta net) state groups and attention pages restored together."""
+    result = vh.run_generations(qwen_dir, connector(store_url(tier, tmp_path)), [[LONG, PROMPT_B]] * 2,
+                                dtype="bfloat16", block_size=BLOCK)
+    cold, warm = result
+    _assert_served(cold[:1], warm[:1])
+    assert warm[1]["tokens"] == cold[1]["tokens"]
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3_next"])
+def test_lmdb_across_an_engine_restart(llama_dir, qwen_dir, tmp_path, model):
+    directory, dtype, prompts = ((llama_dir, "float32", [PROMPT_A, PROMPT_B]) if model == "llama"
+                                 else (qwen_dir, "bfloat16", [LONG]))
+    cold, warm = vh.run_restart(directory, connector(store_url("lmdb", tmp_path)), [prompts] * 2,
+                                dtype=dtype, block_size=BLOCK)
+    _assert_served(cold, warm)
+
+
+def _flip_every_stored_page(directory: str) -> int:
+    env = lmdb.open(directory, readonly=True, lock=False, max_dbs=8)
+    with env.begin() as txn:
+        pages = [bytes(v) for _, v in txn.cursor(env.open_db(b"data", txn=txn, create=False))]
+    env.close()
+    path = os.path.join(directory, "data.mdb")
+    with open(path, "r+b") as f:
+        raw = bytearray(f.read())
+        for page in pages:
+            at = raw.find(page[:256])
+            raw[at + len(page) // 2] ^= 0xFF
+        f.seek(0)
+        f.write(raw)
+    return len(pages)
+
+
+def test_corrupt_entries_are_recomputed(llama_dir, tmp_path):
+    url = store_url("lmdb", tmp_path)
+    (cold,) = vh.run_restart(llama_dir, connector(url), [[PROMPT_A, PROMPT_B]], dtype="float32", block_size=BLOCK)
+    assert _flip_every_stored_page(f"{tmp_path}/store") > 0
+    (warm,) = vh.run_restart(llama_dir, connector(url), [[PROMPT_A, PROMPT_B]], dtype="float32", block_size=BLOCK)
+    assert [w["tokens"] for w in warm] == [c["tokens"] for c in cold]
+
+
+def test_failing_reads_are_recomputed(llama_dir, tmp_path):
+    """Every read of the store raises inside the worker (injected through sitecustomize in every
+    process of the engine): the loads fail, vLLM recomputes, the tokens stay the same."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(textwrap.dedent("""
+        import os
+        if os.environ.get("KVOFFLOAD_TEST_FAIL_READS"):
+            from kvoffload.store import lmdb_store
+
+            def read_many(self, keys, consume):
+                raise OSError("injected read failure")
+
+            lmdb_store.LMDBStore.read_many = read_many
+    """))
+    url = store_url("lmdb", tmp_path)
+    (cold,) = vh.run_restart(llama_dir, connector(url), [[PROMPT_A, PROMPT_B]], dtype="float32", block_size=BLOCK)
+    env = {"KVOFFLOAD_TEST_FAIL_READS": "1", "PYTHONPATH": os.pathsep.join(
+        [str(hooks), vh.ROOT, vh.TESTS_DIR, os.environ.get("PYTHONPATH", "")])}
+    (warm,) = vh.run_restart(llama_dir, connector(url), [[PROMPT_A, PROMPT_B]], dtype="float32", block_size=BLOCK,
+                             extra_env=env)
+    assert [w["tokens"] for w in warm] == [c["tokens"] for c in cold]
+    assert any(w["num_external_cached_tokens"] > 0 for w in warm)  # promised, failed, recomputed
+
+
+def test_vllm_serve_with_the_flag(llama_dir, tmp_path):
+    """`vllm serve --kv-transfer-config` naming the connector alone (the plugin registers it), bound to
+    127.0.0.1: a completion, then the same long prompt after a local prefix-cache reset is served by
+    the connector (vLLM's and kvoffload's Prometheus counters), and the server stops cleanly."""
+    config = {"kv_connector": "KVOffloadConnector", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"store": store_url("lmdb", tmp_path)}}
+    args = vh.serve_args(dtype="float32", block_size=BLOCK, max_model_len=512, kv_transfer_config=config)
+    with vh.vllm_serve(llama_dir, args, extra_env={"VLLM_SERVER_DEV_MODE": "1"}) as url:
+        first = vh.completion(url, PROMPT_B, max_tokens=8)["choices"][0]["token_ids"]
+        vh._http(url + "/reset_prefix_cache", {})
+        again = vh.completion(url, PROMPT_B, max_tokens=8)["choices"][0]["token_ids"]
+        metrics = vh.scrape_metrics(url)
+        proc = url.proc
+    assert again == first and len(first) == 8
+    assert vh.metric_sum(metrics, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") >= 96
+    assert vh.metric_sum(metrics, "vllm:kvoffload_loaded_pages_total") > 0
+    assert proc.poll() is not None

@@ -10,8 +10,12 @@ how many tokens the connector will provide, and turns each step into load and sa
 blocks that became full this step, STATE checkpoints exactly where vLLM hands off an align-mode
 boundary state (its `boundary_state_offloads`), SKIP groups never.
 Worker side: views vLLM's backing allocation through the layout model (`from_vllm`) and moves pages with
-the same `Offloader` the bundled runner uses. Loads and saves are synchronous (CPU); a failed or
-corrupt load is reported through `get_block_ids_with_load_errors`, so vLLM recomputes those blocks.
+the same `Offloader` the bundled runner uses. Loads use vLLM's asynchronous protocol (the request waits
+in WAITING_FOR_REMOTE_KVS while its pages are restored, then runs): vLLM copies align-mode recurrent
+states between blocks before a forward, so a state must be in place one step ahead; and a failed or
+corrupt load is reported as `failed_recving`, the one recompute path vLLM has for hybrid models.
+A request whose load failed is not offered a load again: it recomputes (and its pages are saved again).
+The copies themselves are plain (CPU) and done within the step.
 
 Keys are kvoffload's own chained block keys (never vLLM's block hashes: those depend on a per-process
 seed unless PYTHONHASHSEED is fixed), salted with the request's `cache_salt`, LoRA and multimodal ids.
@@ -30,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
@@ -52,6 +57,7 @@ EXTRA_CONFIG_KEYS = {
     "store": "store URL (memory://, lmdb:///abs/dir, tiered://...); default lmdb under ~/.cache/kvoffload",
     "namespace": "key namespace: deployments that must not share cached prefixes use different ones",
     "model_id": "identity of the weights in the layout fingerprint (default: the served model name)",
+    "load_failure_policy": "'recompute' (default: a failed load is a cache miss) or 'fail' (vLLM's own default)",
 }
 
 
@@ -123,6 +129,8 @@ class _RequestState:
     saved_blocks: int = 0  # PAGED pages of blocks [0, saved_blocks) handed to a save job
     load_range: tuple[int, int] | None = None  # (start, end) blocks the connector promised
     load_tables: dict[int, list[int]] | None = None  # their block tables, once allocated
+    loaded: tuple[int, int] = (0, 0)  # (start, end) blocks a load job restored (or tried to)
+    load_failed: bool = False  # a load for it failed: no more loads, it recomputes
 
 
 def rank_keys(keys: list[bytes], rank: int, size: int) -> list[bytes]:
@@ -145,6 +153,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                              f"known: {sorted(EXTRA_CONFIG_KEYS)}")
         if not vllm_config.cache_config.enable_prefix_caching:
             raise ValueError("KVOffloadConnector needs prefix caching: start vLLM with --enable-prefix-caching")
+        policy = extra.get("load_failure_policy", "recompute")
+        if policy not in ("recompute", "fail"):
+            raise ValueError(f"KVOffloadConnector: load_failure_policy must be 'recompute' or 'fail', got {policy!r}")
+        # A cache miss must not fail a request: vLLM reads this policy right after creating the connector.
+        self._kv_transfer_config.kv_load_failure_policy = policy
         self.store_url = extra.get("store") or _default_store()
         parse_url(self.store_url)  # a bad URL fails at start-up, in both roles
         parallel = vllm_config.parallel_config
@@ -170,7 +183,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self.offloader: Offloader | None = None
             self._model_id = model_id
-            self._load_errors: set[int] = set()
+            self._recv_done: set[str] = set()
+            self._recv_failed: set[str] = set()
             self._report = StoredPages()
 
     # ------------------------------------------------------------------ scheduler side
@@ -193,7 +207,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         state = self._state(request)
         have = num_computed_tokens // self.block_size
-        if num_computed_tokens % self.block_size:
+        if num_computed_tokens % self.block_size or state.load_failed:
             return 0, False
         try:  # rank 0's pages stand for all ranks' (a rank that misses fails its load: recomputed)
             total = hit_blocks(self._plan_layout, rank_keys(state.block_keys, 0, self.tp_size),
@@ -206,7 +220,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         state.load_range = (have, total)
         self.counters["hit_tokens"] += (total - have) * self.block_size
-        return (total - have) * self.block_size, False
+        return (total - have) * self.block_size, True  # asynchronous: see the module docstring
 
     def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
@@ -225,6 +239,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 meta.loads.append(LoadJob(req_id, state.block_keys[:end], start, end, state.load_tables))
                 state.load_range = state.load_tables = None
                 state.saved_blocks = max(state.saved_blocks, end)  # those pages are in the store
+                state.loaded = (start, end)
         block_state = scheduler_output.kv_connector_block_state
         handoffs = block_state.boundary_state_offloads if block_state is not None else {}
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -250,7 +265,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         for group_id, block_id, boundary in handoffs:  # STATE: exactly the blocks vLLM hands off
             index = boundary // self.block_size - 1
             if (self.kinds[group_id] is GroupKind.STATE and boundary % self.block_size == 0
-                    and 0 <= index < len(state.block_keys)):
+                    and 0 <= index < len(state.block_keys)
+                    # vLLM offers a loaded boundary again, the very block the load writes into: saving
+                    # it after a failed load would store stale bytes as this prefix's checkpoint.
+                    and not state.loaded[0] <= index < state.loaded[1]):
                 pages.append((state.block_keys[index], group_id, index, block_id))
         return SaveJob(req_id, pages)
 
@@ -269,6 +287,14 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         report = getattr(connector_output, "kv_connector_worker_meta", None)
         if self._mirror is not None and isinstance(report, StoredPages):
             self._mirror.update(report)
+        for req_id in getattr(connector_output, "failed_recving", None) or ():
+            state = self._requests.get(req_id)
+            if state is not None:
+                # Offering the same load again could fail the same way forever (a read error, a page
+                # only one TP rank lost); vLLM recomputes from scratch, so save those pages again.
+                state.load_failed = True
+                state.saved_blocks = min(state.saved_blocks, state.loaded[0])
+                state.loaded = (0, 0)
 
     def request_finished(self, request: Request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
@@ -298,13 +324,23 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if not isinstance(meta, KVOffloadMetadata) or self.offloader is None:
             return
         for job in meta.loads:
-            if not self.offloader.load(self._rank_keys(job.block_keys), job.start, job.end, job.block_ids):
-                failed = {ids[i] for g, ids in job.block_ids.items() if self.kinds[g] is not GroupKind.SKIP
-                          for i in range(job.start, min(job.end, len(ids)))}
-                self._load_errors |= failed
+            if self.offloader.load(self._rank_keys(job.block_keys), job.start, job.end, job.block_ids):
+                self._recv_done.add(job.req_id)
+            else:
+                self._recv_failed.add(job.req_id)
                 self._report.missing.update(self.offloader.missing_keys)
-                log.warning("KVOffloadConnector: load for %s failed; %d blocks will be recomputed",
-                            job.req_id, len(failed))
+                log.warning("KVOffloadConnector: load for %s failed; vLLM recomputes its prefix", job.req_id)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Loads finish within the step that received them; a failed one is also 'finished' so the
+        request leaves its wait state, and vLLM recomputes it."""
+        done, failed = self._recv_done | self._recv_failed, self._recv_failed
+        self._recv_done, self._recv_failed = set(), set()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return None, results.finished_recving or None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv
@@ -346,10 +382,6 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         return KVOffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
 
     def shutdown(self) -> None:
         return  # the store is per process (shared_store) and closes with it; LMDB commits are durable

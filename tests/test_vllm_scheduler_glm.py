@@ -1,0 +1,456 @@
+"""KVOffloadConnector's scheduler side inside vLLM's REAL scheduler, for the GLM-5.3-Flash-like stack.
+
+The GLM spec stack comes from ``vllm_layouts.glm53_flash_like_config`` (vLLM's own planner): groups
+0-2 KDA ``MambaSpec`` in align mode (STATE), group 3 MLA latent + kpool indexer (PAGED), group 4 the
+kpool tail ring ``CircularBufferSpec`` (SKIP); block size 384.  On it we build what ``EngineCore``
+builds: ``generate_scheduler_kv_cache_config``, ``resolve_kv_cache_block_sizes``, the request block
+hasher and ``vllm.v1.core.sched.scheduler.Scheduler`` (so the real ``KVCacheManager`` /
+``HybridKVCacheCoordinator`` / Mamba align manager) with ``kv_transfer_config`` =
+KVOffloadConnector over an LMDB store.  Requests are driven like ``EngineCore.step``: ``schedule()``,
+then ``update_from_output`` with a minimal ``ModelRunnerOutput`` (no worker: the model runner's
+contribution here is the sampled token at the end of prefill and, for a step that carried a LoadJob,
+the ``KVConnectorOutput`` the worker's ``get_transfer_results`` would report).
+
+Loads are asynchronous (vLLM's protocol; see the connector's docstring): the lookup returns
+``(tokens, True)``, the request is allocated and parked in ``WAITING_FOR_REMOTE_KVS`` with no tokens
+scheduled, the LoadJob goes out in that same step's ``build_connector_meta``, and the worker reports
+the request in ``finished_recving`` (plus ``failed_recving`` when the load failed) of that step's
+output (``KVConnectorModelRunnerMixin.kv_connector_no_forward``: the model runner runs the connector
+even when no token is scheduled).  The next ``schedule()`` promotes the request and runs it from the
+loaded boundary, or, after a failure, from scratch (the connector's default ``load_failure_policy``,
+"recompute", which it passes on to vLLM's ``kv_load_failure_policy``).
+
+What the connector is given is recorded at the moment it is given: ``Scheduler._build_kv_connector_meta``
+(the scheduler's hook around ``connector.build_connector_meta``) is wrapped to copy the step's
+``kv_connector_block_state.boundary_state_offloads``, every live request's block table
+(``kv_cache_manager.get_block_ids``), status and computed tokens before the connector runs; the
+scheduler clears the block state from ``SchedulerOutput`` right after.
+
+The token budget (400) is smaller than the prompt (3 blocks + 10 tokens), so prefill takes three steps
+(384, 384, 394 tokens).  vLLM's default ``prefix_cache_retention_interval=0`` keeps only the replay
+boundary's Mamba checkpoint (one hand-off per KDA group, at 1152); ``prefix_cache_retention_interval=384``
+(``--prefix-cache-retention-interval``) keeps every boundary, so hand-offs happen at 384, 768 and 1152.
+
+The worker is absent: the pages the save jobs name are written to the LMDB store by the test (any
+bytes; the scheduler side checks presence only), then a fresh scheduler on the same store must hit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import vllm_layouts  # noqa: E402  (tests/ is on sys.path: conftest.py)
+
+from kvoffload.connectors.plan import page_key, pages_for_load  # noqa: E402
+from kvoffload.spec import GroupKind  # noqa: E402
+from kvoffload.spec.vllm import group_name  # noqa: E402
+
+BLOCK = 384
+PROMPT_LEN = 3 * BLOCK + 10
+TOKEN_BUDGET = 400  # < PROMPT_LEN: chunked prefill of 384 + 384 + 394 tokens
+KDA_GROUPS = (0, 1, 2)
+MLA_GROUP = 3
+TAIL_GROUP = 4
+
+
+@dataclasses.dataclass
+class _SchedulerModelConfigStub(vllm_layouts._ModelConfigStub):
+    """``vllm_layouts``' planner stub plus the fields ``Scheduler``, ``StructuredOutputManager``,
+    ``VllmConfig`` properties and the connector read (a real ``ModelConfig`` for glm5next cannot be
+    built offline in the CPU build: see ``vllm_layouts``' docstring).  A text-only generative model."""
+
+    model: str = "glm53-flash-like-stub"
+    skip_tokenizer_init: bool = True
+    is_encoder_decoder: bool = False
+    uses_mrope: bool = False
+    runner_type: str = "generate"
+    is_diffusion: bool = False
+    multimodal_config: object = None
+    supports_multimodal_inputs: bool = False
+    return_sampling_mask: bool = False
+
+
+def _glm_vllm_config(retention_interval: int, store_url: str, **extra_config):
+    """(VllmConfig, worker KVCacheConfig) for the GLM stack, configured as ``vllm serve`` would be with
+    ``--enable-prefix-caching --mamba-cache-mode align --max-num-batched-tokens 400
+    --prefix-cache-retention-interval N --kv-transfer-config {KVOffloadConnector, kv_both,
+    kv_connector_extra_config: {store, **extra_config}}`` (vLLM's own ``kv_load_failure_policy`` left at
+    its default, "fail": the connector sets it from its ``load_failure_policy``)."""
+    from vllm.config import KVTransferConfig
+
+    captured = {}
+    real_plan = vllm_layouts._plan
+
+    def plan(vllm_config, specs, backends):  # the same planning, with the retention knob set first
+        vllm_config.cache_config.prefix_cache_retention_interval = retention_interval
+        captured["vllm_config"] = vllm_config
+        return real_plan(vllm_config, specs, backends)
+
+    vllm_layouts._plan = plan
+    try:
+        worker_cfg = vllm_layouts.glm53_flash_like_config()
+    finally:
+        vllm_layouts._plan = real_plan
+    vc = captured["vllm_config"]
+    stub = vc.model_config
+    object.__setattr__(vc, "model_config", _SchedulerModelConfigStub(
+        max_model_len=stub.max_model_len, dtype=stub.dtype, use_mla=stub.use_mla))
+    object.__setattr__(vc, "kv_transfer_config", KVTransferConfig(
+        kv_connector="KVOffloadConnector", kv_connector_module_path="kvoffload.connectors.vllm",
+        kv_role="kv_both", kv_connector_extra_config={"store": store_url, **extra_config}))
+    vc.scheduler_config.max_num_batched_tokens = TOKEN_BUDGET
+    assert vc.cache_config.enable_prefix_caching and vc.cache_config.mamba_cache_mode == "align"
+    assert worker_cfg.prefix_cache_retention_interval == retention_interval
+    return vc, worker_cfg
+
+
+class _Engine:
+    """The scheduler half of ``EngineCore`` (core.py: ``_initialize_kv_caches`` + ``__init__`` + ``step``)."""
+
+    def __init__(self, vllm_config, worker_kv_cache_config):
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import (
+            generate_scheduler_kv_cache_config,
+            get_request_block_hasher,
+            init_none_hash,
+            resolve_kv_cache_block_sizes,
+        )
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        sched_cfg = generate_scheduler_kv_cache_config([worker_kv_cache_config])
+        vllm_config.cache_config.num_gpu_blocks = sched_cfg.num_blocks
+        block_size, hash_block_size = resolve_kv_cache_block_sizes(sched_cfg, vllm_config)
+        assert block_size == hash_block_size == BLOCK
+        self.scheduler = Scheduler(
+            vllm_config=vllm_config, kv_cache_config=sched_cfg,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=block_size, hash_block_size=hash_block_size)
+        hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self.block_hasher = get_request_block_hasher(hash_block_size, hash_fn)
+        self.connector = self.scheduler.get_kv_connector()
+        self.steps: list[dict] = []
+        self.matched: dict[str, list[tuple[int, int]]] = defaultdict(list)  # req -> [(tokens, computed)]
+        self.outputs: dict[str, list[tuple[list[int], object]]] = defaultdict(list)  # req -> [(tokens, finish)]
+
+        build = self.scheduler._build_kv_connector_meta
+        manager = self.scheduler.kv_cache_manager
+
+        def build_and_record(connector, scheduler_output):
+            state = scheduler_output.kv_connector_block_state
+            offloads = {r: list(v) for r, v in state.boundary_state_offloads.items()} if state else {}
+            # Every live request's table: one parked in WAITING_FOR_REMOTE_KVS has blocks (its LoadJob
+            # goes out in this step) but no scheduled tokens.
+            tables = {r: tuple(list(t) for t in manager.get_block_ids(r))
+                      for r in set(self.scheduler.requests) | set(offloads)}
+            computed = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
+            cached = scheduler_output.scheduled_cached_reqs
+            computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+            meta = build(connector, scheduler_output)
+            self.steps.append({"scheduled": dict(scheduler_output.num_scheduled_tokens), "computed": computed,
+                               "status": {r: q.status for r, q in self.scheduler.requests.items()},
+                               "offloads": offloads, "tables": tables, "meta": meta})
+            return meta
+
+        self.scheduler._build_kv_connector_meta = build_and_record
+
+        lookup = self.connector.get_num_new_matched_tokens
+
+        def lookup_and_record(request, num_computed_tokens):
+            result = lookup(request, num_computed_tokens)
+            self.matched[request.request_id].append((result[0], num_computed_tokens))
+            return result
+
+        self.connector.get_num_new_matched_tokens = lookup_and_record
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 1):
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        request = Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
+                          block_hasher=self.block_hasher)
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self, finished_recving: set[str] | None = None, failed_recving: set[str] = frozenset()):
+        """One ``EngineCore.step``.  The worker's transfer results for this step are given by the caller
+        (a failed load is in both sets, as ``get_transfer_results`` reports it); by default every
+        LoadJob of this step completes within it, as ``start_load_kv`` does."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        scheduler_output = self.scheduler.schedule()
+        if finished_recving is None:
+            finished_recving = {job.req_id for job in scheduler_output.kv_connector_metadata.loads}
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        # Minimal runner output: one sampled token for a request whose prompt is now fully computed
+        # (``_update_after_schedule`` already advanced num_computed_tokens), none mid-prefill.
+        sampled = [[7] if self.scheduler.requests[r].num_computed_tokens >= self.scheduler.requests[r].num_tokens
+                   else [] for r in req_ids]
+        kv_output = None
+        if finished_recving or failed_recving:  # what KVOutputAggregator hands the scheduler
+            kv_output = KVConnectorOutput(finished_recving=set(finished_recving) or None,
+                                          failed_recving=set(failed_recving))
+        outputs = self.scheduler.update_from_output(scheduler_output, ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled,
+            kv_connector_output=kv_output))
+        self.steps[-1]["kv_output"] = kv_output
+        for engine_outputs in outputs.values():
+            for out in engine_outputs.outputs:
+                self.outputs[out.request_id].append((list(out.new_token_ids), out.finish_reason))
+        return scheduler_output
+
+    def run(self, max_steps: int = 20) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests():
+                return
+            self.step()
+        raise AssertionError("requests did not finish")
+
+
+def _prompt(seed: int) -> list[int]:
+    return [(i * 7919 + seed * 104729) % 50000 + 1 for i in range(PROMPT_LEN)]
+
+
+@pytest.fixture(scope="module")
+def glm_runs(tmp_path_factory):
+    """Both retention settings, each: a cold run that prefills and saves, then a fresh engine on the
+    same store (after the saved pages were written to it) that must hit, load and finish the prompt."""
+    from kvoffload.store import shared_store
+
+    runs = {}
+    for retention in (0, BLOCK):
+        store_url = f"lmdb://{tmp_path_factory.mktemp(f'store-r{retention}')}/store"
+        vc, worker_cfg = _glm_vllm_config(retention, store_url)
+        cold = _Engine(vc, worker_cfg)
+        prompt = _prompt(retention)
+        cold.add("cold", prompt)
+        cold.run()
+        # What the absent worker would have written: every saved page, under its store key.
+        kinds = cold.connector.kinds
+        saved = [page for step in cold.steps for job in step["meta"].saves for page in job.pages]
+        store = shared_store(store_url)
+        written = store.put_many([(page_key(key, group_name(g, kinds[g])), b"page") for key, g, _, _ in saved])
+        assert all(written)
+        warm = _Engine(vc, worker_cfg)
+        warm.add("warm", prompt)
+        # The load step: vLLM parks the request, the LoadJob goes out, the worker restores the pages
+        # within the step and reports it in that step's output.
+        warm.step(finished_recving={"warm"})
+        warm.run()  # promoted by the next schedule(): runs from the loaded boundary
+        runs[retention] = {"cold": cold, "warm": warm, "prompt": prompt, "store_url": store_url}
+    return runs
+
+
+@pytest.mark.parametrize("retention", [0, BLOCK])
+def test_group_kinds_match_glm_stack(glm_runs, retention):
+    kinds = glm_runs[retention]["cold"].connector.kinds
+    assert kinds == [GroupKind.STATE] * 3 + [GroupKind.PAGED, GroupKind.SKIP]
+    spec = glm_runs[retention]["cold"].scheduler.kv_cache_config.kv_cache_groups[TAIL_GROUP].kv_cache_spec
+    assert type(spec).__name__ == "CircularBufferSpec"
+
+
+@pytest.mark.parametrize("retention", [0, BLOCK])
+def test_cold_prefill_is_chunked(glm_runs, retention):
+    steps = [s for s in glm_runs[retention]["cold"].steps if "cold" in s["scheduled"]]
+    assert [s["scheduled"]["cold"] for s in steps] == [384, 384, 394]  # max_tokens=1: done at prefill
+
+
+@pytest.mark.parametrize("retention", [0, BLOCK])
+def test_tail_ring_group_never_saved(glm_runs, retention):
+    for step in glm_runs[retention]["cold"].steps:
+        for job in step["meta"].saves:
+            assert all(g != TAIL_GROUP for _, g, _, _ in job.pages), job
+
+
+@pytest.mark.parametrize("retention", [0, BLOCK])
+def test_state_pages_are_exactly_vllms_handoffs(glm_runs, retention):
+    run = glm_runs[retention]
+    engine = run["cold"]
+    keys = engine.connector.chain.keys(run["prompt"])
+    handed_off = defaultdict(set)  # group -> boundaries
+    for step in engine.steps:
+        state_pages = [p for job in step["meta"].saves if job.req_id == "cold"
+                       for p in job.pages if p[1] in KDA_GROUPS]
+        offers = step["offloads"].get("cold", [])
+        expected = []
+        for g, block_id, boundary in offers:
+            assert g in KDA_GROUPS, offers  # only align-mode Mamba groups hand states off
+            assert boundary % BLOCK == 0
+            expected.append((keys[boundary // BLOCK - 1], g, boundary // BLOCK - 1, block_id))
+            handed_off[g].add(boundary)
+        assert sorted(state_pages) == sorted(expected)
+        tables = step["tables"].get("cold")
+        for key, g, index, block_id in state_pages:
+            assert tables is not None
+            assert block_id != 0  # vLLM's null block
+            assert block_id in tables[g], (g, block_id, tables)
+            for other in KDA_GROUPS:
+                if other != g:
+                    assert block_id not in tables[other], (g, other, block_id, tables)
+    expected_boundaries = {3 * BLOCK} if retention == 0 else {BLOCK, 2 * BLOCK, 3 * BLOCK}
+    assert {g: handed_off[g] for g in KDA_GROUPS} == {g: expected_boundaries for g in KDA_GROUPS}
+
+
+@pytest.mark.parametrize("retention", [0, BLOCK])
+def test_paged_pages_one_per_full_block_from_mla_group(glm_runs, retention):
+    run = glm_runs[retention]
+    engine = run["cold"]
+    keys = engine.connector.chain.keys(run["prompt"])
+    paged = []
+    for step in engine.steps:
+        for job in step["meta"].saves:
+            for key, g, index, block_id in job.pages:
+                if g not in KDA_GROUPS:
+                    assert g == MLA_GROUP
+                    assert key == keys[index]
+                    assert block_id == step["tables"][job.req_id][MLA_GROUP][index]
+                    paged.append(index)
+    assert sorted(paged) == list(range(PROMPT_LEN // BLOCK))
+
+
+def _load_targets(load) -> set[tuple[int, int]]:
+    """(group, physical block) the LoadJob writes: each KDA group's checkpoint, the MLA pages."""
+    targets = {(g, load.block_ids[g][load.end - 1]) for g in KDA_GROUPS}
+    return targets | {(MLA_GROUP, b) for b in load.block_ids[MLA_GROUP][load.start:load.end]}
+
+
+@pytest.mark.parametrize("retention", [0, BLOCK])
+def test_fresh_engine_hits_and_loads_into_each_groups_own_blocks(glm_runs, retention):
+    from vllm.v1.request import RequestStatus
+
+    run = glm_runs[retention]
+    warm = run["warm"]
+    end = PROMPT_LEN // BLOCK  # 3: the longest aligned prefix with a prompt token left to compute
+    assert warm.matched["warm"] == [(end * BLOCK, 0)]  # asked once: no second lookup after the load
+    step = warm.steps[0]
+    # Asynchronous load: allocated and parked, nothing scheduled, the LoadJob in this very step.
+    assert step["scheduled"] == {}
+    assert step["status"]["warm"] == RequestStatus.WAITING_FOR_REMOTE_KVS
+    (load,) = step["meta"].loads
+    assert not step["meta"].saves
+    keys = warm.connector.chain.keys(run["prompt"])
+    assert (load.req_id, load.start, load.end, load.block_keys) == ("warm", 0, end, keys[:end])
+    tables = step["tables"]["warm"]
+    assert {g: load.block_ids[g] for g in range(len(tables))} == dict(enumerate(tables))
+    checkpoints = []
+    for g in KDA_GROUPS:
+        block_id = load.block_ids[g][end - 1]
+        assert block_id != 0 and block_id == tables[g][end - 1]
+        assert all(block_id not in tables[o] for o in (*KDA_GROUPS, MLA_GROUP, TAIL_GROUP) if o != g)
+        checkpoints.append(block_id)
+    assert len(set(checkpoints)) == len(KDA_GROUPS)
+    assert load.block_ids[MLA_GROUP][:end] == tables[MLA_GROUP][:end]
+    assert 0 not in load.block_ids[MLA_GROUP][:end]
+    # The pages the worker restores for this job (Offloader.load -> pages_for_load) and where they go.
+    pages = pages_for_load(warm.connector._plan_layout, load.block_keys, load.start, load.end)
+    assert all(p.group.index != TAIL_GROUP for p in pages)
+    assert sorted((p.group.index, p.index) for p in pages) == sorted(
+        [(MLA_GROUP, i) for i in range(end)] + [(g, end - 1) for g in KDA_GROUPS])
+    assert [job for s in warm.steps[1:] for job in s["meta"].loads] == []  # one LoadJob, once
+
+
+@pytest.mark.parametrize("retention", [0, BLOCK])
+def test_loaded_request_runs_from_the_boundary_on_the_loaded_blocks(glm_runs, retention):
+    """After ``finished_recving`` the next step schedules the request from the loaded boundary, on the
+    very blocks the LoadJob wrote (vLLM copies the align-mode state out of them before that forward),
+    and prefill completes."""
+    from vllm.v1.engine import FinishReason
+
+    warm = glm_runs[retention]["warm"]
+    end = PROMPT_LEN // BLOCK
+    load_step, run_step = warm.steps[0], warm.steps[1]
+    assert load_step["kv_output"].finished_recving == {"warm"} and not load_step["kv_output"].failed_recving
+    assert [s["scheduled"] for s in warm.steps if s["scheduled"]] == [{"warm": PROMPT_LEN - end * BLOCK}]
+    assert run_step["scheduled"] == {"warm": PROMPT_LEN - end * BLOCK}
+    assert run_step["computed"] == {"warm": end * BLOCK}
+    (load,) = load_step["meta"].loads
+    tables = run_step["tables"]["warm"]
+    assert {(g, tables[g][end - 1]) for g in KDA_GROUPS} | {(MLA_GROUP, b) for b in tables[MLA_GROUP][:end]} \
+        == _load_targets(load)
+    assert warm.outputs["warm"] == [([7], FinishReason.LENGTH)]
+    assert not warm.scheduler.has_requests()
+
+
+@pytest.mark.parametrize("retention", [0, BLOCK])
+def test_loaded_blocks_are_never_saved(glm_runs, retention):
+    """vLLM hands the loaded boundary's blocks off again once the request runs (``cache_blocks`` in
+    ``_update_waiting_for_remote_kv`` offers every retained boundary).  The connector must not save
+    them, in the load step or after: they are the blocks the load writes into, so after a failed load
+    (page evicted or corrupt between lookup and load) the worker's wait_for_save would store those
+    blocks' stale bytes as the checkpoint of this prefix."""
+    warm = glm_runs[retention]["warm"]
+    end = PROMPT_LEN // BLOCK
+    (load,) = warm.steps[0]["meta"].loads
+    assert warm.steps[0]["offloads"].get("warm", []) == []  # parked: nothing handed off in the load step
+    reoffered = {(g, block_id) for g, block_id, boundary in warm.steps[1]["offloads"].get("warm", [])
+                 if boundary == end * BLOCK}
+    assert reoffered == {(g, load.block_ids[g][end - 1]) for g in KDA_GROUPS}
+    for step in warm.steps:
+        for job in step["meta"].saves:
+            for key, g, index, block_id in job.pages:
+                assert g != TAIL_GROUP
+                assert (g, block_id) not in _load_targets(load), ("save of a loaded block", g, index, block_id)
+                assert not load.start <= index < load.end, ("re-save of a loaded page", g, index, block_id)
+
+
+def _failing_engine(run, **extra_config):
+    """A fresh engine on the run's store whose first step's LoadJob the worker reports as failed (a
+    read error: the pages are still in the store)."""
+    engine = _Engine(*_glm_vllm_config(0, run["store_url"], **extra_config))
+    free = engine.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    engine.add("failing", run["prompt"])
+    engine.step(finished_recving={"failing"}, failed_recving={"failing"})  # must not raise
+    step = engine.steps[0]
+    assert step["scheduled"] == {}
+    (load,) = step["meta"].loads
+    assert (load.req_id, load.start, load.end) == ("failing", 0, PROMPT_LEN // BLOCK)
+    return engine, free
+
+
+def test_failed_load_is_recomputed_not_fatal(glm_runs):
+    """The connector's default ``load_failure_policy`` ("recompute", over vLLM's own default "fail"): a
+    load reported in ``failed_recving`` (and ``finished_recving``) ends in a recompute from 0 (a fresh
+    engine has no local prefix), not a crash; the connector offers no second load (the same read
+    could fail forever), and the recomputed pages are saved again, as in a cold run."""
+    from vllm.v1.engine import FinishReason
+
+    run = glm_runs[0]
+    engine, free = _failing_engine(run)
+    assert engine.scheduler.recompute_kv_load_failures
+    engine.run()
+    assert engine.matched["failing"] == [(3 * BLOCK, 0), (0, 0)]
+    assert [job for s in engine.steps[1:] for job in s["meta"].loads] == []
+    assert [(s["computed"]["failing"], s["scheduled"]["failing"]) for s in engine.steps
+            if "failing" in s["scheduled"]] == [(0, 384), (384, 384), (768, 394)]
+    assert engine.outputs["failing"] == [([7], FinishReason.LENGTH)]
+    assert not engine.scheduler.has_requests()
+    assert engine.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free
+
+    def saved(eng):
+        return sorted((key, g, index) for s in eng.steps for job in s["meta"].saves
+                      for key, g, index, _ in job.pages)
+
+    assert saved(engine) == saved(run["cold"])
+
+
+def test_failed_load_under_fail_policy_fails_the_request_not_the_engine(glm_runs):
+    """``load_failure_policy="fail"`` (vLLM's own default): the request ends with an error instead of a
+    recompute; the scheduler survives and frees its blocks."""
+    from vllm.v1.engine import FinishReason
+
+    engine, free = _failing_engine(glm_runs[0], load_failure_policy="fail")
+    assert not engine.scheduler.recompute_kv_load_failures
+    assert engine.outputs["failing"] == [([], FinishReason.ERROR)]
+    assert not engine.scheduler.has_unfinished_requests()
+    engine.run()  # the finished id reaches the (absent) worker; nothing is scheduled or loaded again
+    assert [(s["scheduled"], s["meta"].loads) for s in engine.steps[1:]] == [({}, [])] * (len(engine.steps) - 1)
+    assert engine.matched["failing"] == [(3 * BLOCK, 0)]
+    assert engine.outputs["failing"] == [([], FinishReason.ERROR)]
+    assert "failing" not in engine.scheduler.requests
+    assert engine.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free

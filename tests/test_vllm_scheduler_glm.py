@@ -41,6 +41,7 @@ import dataclasses
 from collections import defaultdict
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
@@ -454,3 +455,60 @@ def test_failed_load_under_fail_policy_fails_the_request_not_the_engine(glm_runs
     assert engine.outputs["failing"] == [([], FinishReason.ERROR)]
     assert "failing" not in engine.scheduler.requests
     assert engine.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free
+
+
+# -- start-up errors: clear, at construction, in either role --------------------------------------------
+
+def _connector(tmp_path, role_name="SCHEDULER", prefix_caching=True, **extra):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvoffload.connectors.vllm import KVOffloadConnector
+
+    vllm_config, worker_cfg = _glm_vllm_config(0, f"lmdb://{tmp_path}/store", **extra)
+    vllm_config.cache_config.enable_prefix_caching = prefix_caching
+    return KVOffloadConnector(vllm_config, getattr(KVConnectorRole, role_name), worker_cfg)
+
+
+def test_startup_errors_are_clear(tmp_path):
+    with pytest.raises(ValueError, match="needs prefix caching"):
+        _connector(tmp_path, prefix_caching=False)
+    with pytest.raises(ValueError, match="unknown kv_connector_extra_config key"):
+        _connector(tmp_path, colour="blue")
+    with pytest.raises(ValueError, match="load_failure_policy must be"):
+        _connector(tmp_path, load_failure_policy="sometimes")
+    with pytest.raises(ValueError, match="must be absolute"):
+        _connector(tmp_path, store="lmdb://relative/dir")
+
+
+def test_unsupported_spec_is_named_at_startup(tmp_path, monkeypatch):
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    from kvoffload.spec import UnsupportedLayoutError
+
+    vllm_config, worker_cfg = _glm_vllm_config(0, f"lmdb://{tmp_path}/store")
+    group = worker_cfg.kv_cache_groups[-1]
+    group.kv_cache_spec = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=1, head_size=64,
+                                            dtype=torch.bfloat16, sliding_window=128)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvoffload.connectors.vllm import KVOffloadConnector
+
+    with pytest.raises(UnsupportedLayoutError, match="SlidingWindowSpec"):
+        KVOffloadConnector(vllm_config, KVConnectorRole.SCHEDULER, worker_cfg)
+
+
+def test_worker_layout_stores_only_used_bytes(tmp_path):
+    """The worker's view of the GLM allocation: tail group skipped, no page padding stored."""
+    from kvoffload.spec import from_vllm
+
+    _, worker_cfg = _glm_vllm_config(0, f"lmdb://{tmp_path}/store")
+    layout = from_vllm(worker_cfg)
+    assert [g.kind for g in layout.groups].count(GroupKind.SKIP) == 1
+    stored = layout.stored_bytes_per_block()
+    cacheable = [g for g in layout.groups if g.kind is not GroupKind.SKIP]
+    assert stored == sum(g.used_bytes_per_block for g in cacheable)
+    assert all(r.used_bytes <= r.page_bytes for g in cacheable for r in g.regions)
+    kda = [g for g in cacheable if g.kind is GroupKind.STATE]
+    assert all(g.used_bytes_per_block < sum(r.page_bytes * r.num_layers for r in g.regions) for g in kda)  # padding
+    whole = len(cacheable) * layout.groups[0].regions[0].block_stride  # the whole packed block per group key
+    assert stored / whole < 0.8

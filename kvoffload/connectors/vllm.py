@@ -305,6 +305,12 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        try:  # the worker's own tensor-parallel rank, once vLLM's process groups exist
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            self.tp_rank = get_tensor_model_parallel_rank()
+        except Exception:  # noqa: BLE001 - not initialised (single process): keep the config's rank
+            pass
         layout = from_vllm(self._kv_cache_config, model_id=self._model_id, tp_rank=self.tp_rank,
                            tp_size=self.tp_size)
         any_cache = next(iter(kv_caches.values()))

@@ -1,5 +1,5 @@
 """The `kvoffload` command: `demo` (the main job of `make demo`), `verify` (cold/warm proof on the
-bundled GLM runner) and `inspect` (a store's statistics)."""
+bundled GLM runner), `bench` (offload benchmarks) and `inspect` (a store's statistics)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,18 @@ def _verify(args: argparse.Namespace) -> int:
     return _print_report(report, args.json)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    from .bench.common import write_result
+
+    module = importlib.import_module(f"kvoffload.bench.{args.name}")
+    result = module.run(quick=args.quick, progress=None if args.json else _progress)
+    path = write_result(args.name, result, args.out)
+    print(json.dumps(result, indent=2) if args.json else f"results: {path}")
+    return 0
+
+
 def _inspect(args: argparse.Namespace) -> int:
     with open_store(args.url) as store:
         print(json.dumps(store.stats(), indent=2))
@@ -66,6 +78,12 @@ def main(argv: list[str] | None = None) -> int:
                                                          "cold and warm prefill seconds; totals")
     ver.add_argument("--quiet", action="store_true", help="no progress output")
     ver.set_defaults(func=_verify)
+    bench = sub.add_parser("bench", help="offload benchmarks with same-run baselines (JSON)")
+    bench.add_argument("name", choices=["store", "footprint"])
+    bench.add_argument("--quick", action="store_true", help="small sizes: checks the benchmark, not the machine")
+    bench.add_argument("--out", default="bench/results", help="directory for the JSON result (default bench/results)")
+    bench.add_argument("--json", action="store_true", help="print the result JSON instead of progress")
+    bench.set_defaults(func=_bench)
     inspect = sub.add_parser("inspect", help="print a store's statistics as JSON")
     inspect.add_argument("url", help="store URL, e.g. lmdb:///var/cache/kvoffload")
     inspect.set_defaults(func=_inspect)

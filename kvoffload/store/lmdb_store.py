@@ -186,7 +186,8 @@ class LMDBStore(Store):
             map_size = max(size, min(_INITIAL_MAP, self._max_map))
             try:
                 env = lmdb.open(self.path, map_size=map_size, subdir=True, max_dbs=8, mode=0o600,
-                                writemap=True, sync=True, metasync=True, readahead=False,
+                                # readahead: values are large runs of overflow pages, read sequentially
+                                writemap=True, sync=True, metasync=True, readahead=True,
                                 max_readers=max_readers, lock=True)
             except lmdb.Error as exc:
                 raise StoreConfigError(f"cannot open LMDB store {self.path!r}: {exc}") from None

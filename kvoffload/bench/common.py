@@ -1,0 +1,48 @@
+"""What every benchmark shares: timing (median of repeats), machine facts, the page-cache drop, and
+writing results."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import psutil
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def machine() -> dict:
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+            "memory_GiB": round(psutil.virtual_memory().total / 2**30, 1), "processor": platform.processor()}
+
+
+def drop_page_cache() -> str:
+    """'dropped' when the kernel's page cache could be emptied (root on Linux), else why not."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return "dropped"
+    except OSError as exc:
+        return f"warm (could not drop the page cache: {exc.strerror})"
+
+
+def write_result(name: str, result: dict, out_dir: str | None) -> str | None:
+    if out_dir is None:
+        return None
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}-{'quick' if result.get('quick') else 'full'}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    return path

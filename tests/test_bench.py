@@ -1,0 +1,38 @@
+"""Every benchmark runs in --quick mode and writes well-formed JSON (its speed is not a test)."""
+
+import json
+import subprocess
+import sys
+
+from conftest import subprocess_env
+
+
+def _bench(name, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kvoffload.cli", "bench", name, "--quick", "--out", str(tmp_path)],
+                         env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    with open(tmp_path / f"{name}-quick.json") as f:
+        return json.load(f)
+
+
+def test_store_benchmark_json(tmp_path):
+    result = _bench("store", tmp_path)
+    assert result["benchmark"] == "store" and result["quick"] is True and result["machine"]["cpus"]
+    assert len(result["results"]) == 2
+    for row in result["results"]:
+        for key in ("memcpy_GBps", "memory_get_GBps", "raw_write_fsync_GBps", "raw_read_GBps",
+                    "lmdb_put_GBps", "lmdb_get_GBps"):
+            assert row[key] > 0, key
+        assert set(row["ratios"]) == {"memory_get_vs_memcpy", "lmdb_put_vs_raw_write", "lmdb_get_vs_raw_read"}
+
+
+def test_footprint_benchmark_json(tmp_path):
+    result = _bench("footprint", tmp_path)
+    rows = {(r["preset"], r["tp"]): r for r in result["results"]}
+    assert ("pruned-4l", 8) in rows and ("tiny", 1) in rows
+    for row in rows.values():
+        assert row["our_amplification"] == 1.0 and row["tail_ring_bytes_per_token"] == 0.0
+        assert abs(sum(row["by_group"].values()) - row["stored_bytes_per_token_per_rank"]) < 1e-6
+        assert row["amplification_of_whole_block_scheme"] > 1.0
+    assert rows[("pruned-4l", 4)]["stored_bytes_per_token_per_rank"] < rows[("pruned-4l", 1)][
+        "stored_bytes_per_token_per_rank"]  # KDA heads shard across ranks

@@ -36,3 +36,10 @@ def test_footprint_benchmark_json(tmp_path):
         assert row["amplification_of_whole_block_scheme"] > 1.0
     assert rows[("pruned-4l", 4)]["stored_bytes_per_token_per_rank"] < rows[("pruned-4l", 1)][
         "stored_bytes_per_token_per_rank"]  # KDA heads shard across ranks
+
+
+def test_ttft_benchmark_json(tmp_path):
+    result = _bench("ttft", tmp_path)
+    (row,) = result["results"]
+    assert row["prefix_tokens"] == 64 and row["cold_ms"] > 0
+    assert row["warm_memory_ms"] > 0 and row["warm_lmdb_ms"] > 0  # the run asserts hits and equal tokens

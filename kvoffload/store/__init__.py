@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from .base import Store
 from .errors import EntryTooLargeError, IncompatibleStoreError, StoreConfigError
 from .lmdb_store import LMDBStore
@@ -56,7 +58,7 @@ def open_store(url: str, *, fingerprint: bytes | str | None = None) -> Store:
 
 
 _shared: dict[str, Store] = {}
-_shared_lock = __import__("threading").Lock()
+_shared_lock = threading.Lock()
 
 
 def shared_store(url: str, *, fingerprint: bytes | str | None = None) -> Store:

@@ -151,7 +151,8 @@ class Engine:
     # -- compute ---------------------------------------------------------------------------------------
     def _run(self, request: Request, start: int, end: int, decode: bool) -> torch.Tensor:
         self.ensure_blocks(request, end)
-        chunk = Chunk(start, end, tuple(request.blocks), request.tail_block, self.block_size, decode)
+        chunk = Chunk(start, end, tuple(request.blocks), request.tail_block, self.block_size, decode,
+                      self.cache.buffer.device)
         logits = self.model.forward(request.tokens[start:end], chunk, self.cache)
         request.computed = end
         if end % self.block_size == 0:

@@ -38,6 +38,8 @@ def checkpoint_id(directory: str) -> str:
     return f"glm5next:{digest.hexdigest()}"
 
 
-def load_model(directory: str) -> tuple[GlmConfig, GlmModel, str]:
+def load_model(directory: str, device: str = "cpu") -> tuple[GlmConfig, GlmModel, str]:
+    """(config, model with its weights on `device`, model id)."""
     config = GlmConfig.from_pretrained(directory)
-    return config, GlmModel(config, load_weights(directory, config=config)), checkpoint_id(directory)
+    weights = {name: t.to(device) for name, t in load_weights(directory, config=config).items()}
+    return config, GlmModel(config, weights), checkpoint_id(directory)

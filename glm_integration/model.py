@@ -59,7 +59,7 @@ class GlmModel:
         """Compute positions [chunk.start, chunk.end) and write their cache; logits [T, vocab]."""
         if len(token_ids) != chunk.length:
             raise ValueError(f"chunk covers {chunk.length} positions but {len(token_ids)} tokens were given")
-        x = F.embedding(torch.tensor(token_ids, dtype=torch.long), self.embed)
+        x = F.embedding(torch.tensor(token_ids, dtype=torch.long, device=self.embed.device), self.embed)
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         mask = None
         for layer in self.layers:

@@ -35,7 +35,7 @@ def _verify(args: argparse.Namespace) -> int:
 
     report = verify(args.store, model_dir=args.model, preset=args.preset, prompts_file=args.prompts,
                     restart=args.restart, block_size=args.block_size, max_tokens=args.max_tokens,
-                    progress=None if args.quiet else _progress)
+                    progress=None if args.quiet else _progress, device=args.device, kernels=args.kernels)
     return _print_report(report, args.json)
 
 
@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     ver.add_argument("--prompts", help="file with one prompt per line, space-separated token ids "
                                        "(default: the built-in edge cases)")
     ver.add_argument("--restart", action="store_true", help="run the warm phase in a new process")
+    ver.add_argument("--device", default="cpu", help="cpu or cuda[:N] (NVIDIA or ROCm GPU; default cpu)")
+    ver.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton", "aiter"],
+                     help="runner kernel backend (auto: triton on a GPU, torch on the CPU)")
     ver.add_argument("--block-size", type=int, default=16)
     ver.add_argument("--max-tokens", type=int, default=8, help="greedy decode steps compared per prompt")
     ver.add_argument("--json", action="store_true", help="per prompt: tokens_equal, pages_equal, hit_tokens, "

@@ -26,6 +26,7 @@ def report_lines(report: dict) -> list[str]:
     cases = len({p["case"] for p in report["prompts"]})
     return [
         f"store            {report['store']}" + ("  (warm run in a new process)" if report["restart"] else ""),
+        f"runner           {report.get('device', 'cpu')}, {report.get('kernels', 'torch')} kernels",
         f"prompts          {t['prompts']} in {cases} cases, {report['max_tokens']} new tokens each",
         f"tokens equal     {t['tokens_equal']}/{t['prompts']} (cold vs warm, greedy)",
         f"pages equal      {t['pages_equal']}/{t['prompts']} ({t['restored_pages']} restored pages, byte for byte)",

@@ -129,23 +129,26 @@ class _VerifyingConnector(RunnerConnector):
 
 
 def run_phase(model_dir: str, store, namespace: str, cases, block_size: int, max_tokens: int,
-              threads: int = 1, progress=None) -> PhaseResult:
+              threads: int = 1, progress=None, device: str = "cpu", kernels: str = "auto") -> PhaseResult:
     """One cold or warm pass over every case, each on a fresh device cache. `store` is a URL (opened
     here, stamped with the layout fingerprint) or an open `Store` shared with another phase."""
     from glm_integration.cache import PagedCache
     from glm_integration.engine import Engine
+    from glm_integration.kernels import backend_for, use_backend
     from glm_integration.loader import load_model
 
     torch.set_num_threads(threads)
-    config, model, model_id = load_model(model_dir)
+    use_backend(backend_for(device, kernels))
+    config, model, model_id = load_model(model_dir, device=device)
     result = PhaseResult()
     if isinstance(store, str):
         fingerprint = PagedCache(config, block_size, 1, model_id=model_id, device="meta").layout.fingerprint
         with open_store(store, fingerprint=fingerprint) as opened:
-            return run_phase(model_dir, opened, namespace, cases, block_size, max_tokens, threads, progress)
+            return run_phase(model_dir, opened, namespace, cases, block_size, max_tokens, threads, progress,
+                             device, kernels)
     for name, prompts in cases:
         need = sum((len(p) + max_tokens) // block_size + 2 for p in prompts) + 4
-        cache = PagedCache(config, block_size, need, model_id=model_id)  # a fresh, empty device cache
+        cache = PagedCache(config, block_size, need, model_id=model_id, device=device)  # fresh and empty
         engine = Engine(model, cache, namespace=namespace)
         recorder = _Recorder(cache.layout, result)
         connector = _VerifyingConnector(store, engine, recorder)
@@ -241,8 +244,10 @@ def compare(cases, cold: PhaseResult, warm: PhaseResult, layout, block_size: int
 
 
 def verify(store_url: str, *, model_dir: str | None = None, preset: str = "tiny", prompts_file: str | None = None,
-           restart: bool = False, block_size: int = 16, max_tokens: int = 8, progress=None) -> dict:
+           restart: bool = False, block_size: int = 16, max_tokens: int = 8, progress=None, device: str = "cpu",
+           kernels: str = "auto") -> dict:
     progress = progress or (lambda message: None)
+    device = _check_device(device)
     if restart and parse_url(store_url).scheme == "memory":
         raise StoreConfigError("memory:// does not survive a restart: use lmdb:// or tiered:// with --restart")
     model_dir = model_dir or default_model_dir(preset)
@@ -254,27 +259,40 @@ def verify(store_url: str, *, model_dir: str | None = None, preset: str = "tiny"
     cases = read_prompt_file(prompts_file) if prompts_file else builtin_cases(config, block_size)
     namespace = f"verify/{uuid.uuid4()}"
     layout = PagedCache(config, block_size, 1, model_id=checkpoint_id(model_dir), device="meta").layout
+    from glm_integration.kernels import backend_for
+
+    run = {"device": device, "kernels": kernels}
     with open_store(store_url, fingerprint=layout.fingerprint) as store:
-        progress(f"[verify] cold run of {sum(len(p) for _, p in cases)} prompts -> {store_url}")
-        cold = run_phase(model_dir, store, namespace, cases, block_size, max_tokens, progress=progress)
+        progress(f"[verify] cold run of {sum(len(p) for _, p in cases)} prompts on {device} "
+                 f"({backend_for(device, kernels)} kernels) -> {store_url}")
+        cold = run_phase(model_dir, store, namespace, cases, block_size, max_tokens, progress=progress, **run)
         if not restart:
             progress("[verify] device cache dropped; warm run")
-            warm = run_phase(model_dir, store, namespace, cases, block_size, max_tokens, progress=progress)
+            warm = run_phase(model_dir, store, namespace, cases, block_size, max_tokens, progress=progress, **run)
     if restart:
         progress("[verify] device cache dropped, process restarted; warm run")
-        warm = _warm_in_new_process(model_dir, store_url, namespace, cases, block_size, max_tokens)
+        warm = _warm_in_new_process(model_dir, store_url, namespace, cases, block_size, max_tokens, run)
     report = compare(cases, cold, warm, layout, block_size, namespace)
     report.update({"store": store_url, "restart": restart, "model": model_dir, "block_size": block_size,
-                   "max_tokens": max_tokens, "counters": {"cold": cold.counters, "warm": warm.counters}})
+                   "max_tokens": max_tokens, "device": device, "kernels": backend_for(device, kernels),
+                   "counters": {"cold": cold.counters, "warm": warm.counters}})
     return report
 
 
-def _warm_in_new_process(model_dir, store_url, namespace, cases, block_size, max_tokens) -> PhaseResult:
+def _check_device(device: str) -> str:
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise StoreConfigError(f"--device {device}: this torch build sees no GPU (torch {torch.__version__})")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise StoreConfigError(f"--device must be cpu or cuda[:N] (ROCm GPUs are cuda too), got {device!r}")
+    return device
+
+
+def _warm_in_new_process(model_dir, store_url, namespace, cases, block_size, max_tokens, run) -> PhaseResult:
     with tempfile.TemporaryDirectory() as tmp:
         spec, out = os.path.join(tmp, "phase.json"), os.path.join(tmp, "result.json")
         with open(spec, "w") as f:
             json.dump({"model_dir": model_dir, "store_url": store_url, "namespace": namespace, "cases": cases,
-                       "block_size": block_size, "max_tokens": max_tokens}, f)
+                       "block_size": block_size, "max_tokens": max_tokens, **run}, f)
         proc = subprocess.run([sys.executable, "-m", "kvoffload.verify", spec, out])  # progress on stderr
         if proc.returncode != 0:
             raise RuntimeError(f"the warm process failed with exit status {proc.returncode}")
@@ -288,7 +306,8 @@ def _warm_phase_main(spec_path: str, out_path: str) -> int:
     started = time.perf_counter()
     result = run_phase(spec["model_dir"], spec["store_url"], spec["namespace"],
                        [(name, prompts) for name, prompts in spec["cases"]], spec["block_size"], spec["max_tokens"],
-                       progress=lambda message: print(message, file=sys.stderr, flush=True))
+                       progress=lambda message: print(message, file=sys.stderr, flush=True),
+                       device=spec["device"], kernels=spec["kernels"])
     result.counters["warm_process_seconds"] = int(time.perf_counter() - started)
     with open(out_path, "w") as f:
         json.dump(asdict(result), f)

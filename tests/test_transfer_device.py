@@ -1,41 +1,101 @@
-"""Page moves on a buffer in device memory (the vLLM worker path on GPUs): byte-exact both ways."""
+"""The staged device transfer (the GPU path; its logic also runs on a CPU buffer): byte-exact pages both
+ways, equal to the host transfer's, across several staging batches, with misses never scattered."""
 
 import numpy as np
 import pytest
 import torch
 
 from kvoffload import open_store
-from kvoffload.connectors.transfer import HostTransfer, TorchTransfer
+from kvoffload.connectors.device_transfer import DeviceTransfer
+from kvoffload.connectors.span_copy import SpanCopier, word_size
+from kvoffload.connectors.transfer import HostTransfer, make_transfer
 from kvoffload.spec import CacheGroup, GroupKind, Region
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+GPU = torch.cuda.is_available()
+try:
+    import triton  # noqa: F401
+    TRITON = GPU
+except ImportError:
+    TRITON = False
+# (device, use the Triton span copy): the batched-copy path everywhere, the Triton kernel on a GPU
+PATHS = [("cpu", False)] + ([("cuda", False)] if GPU else []) + ([("cuda", True)] if TRITON else [])
+STRIDE = 16384
 
 
-def _group():
-    # two layers, used bytes smaller than the page (padding must not travel), a second region elsewhere
-    regions = (Region(0, 0, 4096, 16384, ("a", "b"), 3000, 4096, "uint8"),
-               Region(0, 8192, 1024, 16384, ("c",), 1000, 1024, "uint8"))
-    return CacheGroup(0, "g", GroupKind.PAGED, 16, regions)
+def _groups():
+    # used bytes smaller than the page (padding must not travel), a second region elsewhere in the block,
+    # and a group whose spans are only 4-byte aligned
+    paged = CacheGroup(0, "g", GroupKind.PAGED, 16, (Region(0, 0, 4096, STRIDE, ("a", "b"), 3000, 4096, "uint8"),
+                                                     Region(0, 8192, 1024, STRIDE, ("c",), 1000, 1024, "uint8")))
+    state = CacheGroup(1, "s", GroupKind.STATE, 16, (Region(0, 12292, 1000, STRIDE, ("d", "e"), 996, 1000, "uint8"),))
+    return paged, state
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_torch_transfer_round_trip_matches_host_transfer(device):
-    group = _group()
-    source = torch.randint(0, 256, (8 * 16384,), dtype=torch.uint8)
-    host_page = HostTransfer(source.clone()).gather(group, 3)
-    device_buffer = source.to(device)
-    page = TorchTransfer(device_buffer).gather(group, 3)
-    assert page.nbytes == group.used_bytes_per_block == 7000
-    assert np.array_equal(page, host_page)
-    target = torch.zeros_like(device_buffer)
-    TorchTransfer(target).scatter(group, 5, page)
-    moved = target.cpu().numpy()
-    for offset, n in [(5 * 16384, 3000), (5 * 16384 + 4096, 3000), (5 * 16384 + 8192, 1000)]:
-        assert moved[offset:offset + n].any()
-    assert np.array_equal(HostTransfer(target.cpu()).gather(group, 5), host_page)
-    assert not moved[5 * 16384 + 3000:5 * 16384 + 4096].any()  # padding untouched
+def _transfer(buffer, use_triton, **options):
+    return DeviceTransfer(buffer, use_triton=use_triton, **options)
+
+
+@pytest.mark.parametrize("device,use_triton", PATHS)
+def test_pages_round_trip_byte_exact_across_staging_batches(device, use_triton):
+    paged, state = _groups()
+    source = torch.randint(0, 256, (32 * STRIDE,), dtype=torch.uint8)
+    host = HostTransfer(source.clone())
+    items = [(f"k{g.name}{b}".encode(), g, b) for b in range(3, 20) for g in (paged, state)]
+    # a staging slot of ~3 pages: many batches, both slots reused, one page larger than nothing else fits
+    transfer = _transfer(source.to(device), use_triton, staging_bytes=3 * paged.used_bytes_per_block)
+    assert len(transfer.batches(items)) > 4
+    store = open_store("memory://?capacity=4MiB&pinned=false")
+    assert transfer.save(store, items) == [True] * len(items)
+    for key, group, block in items:
+        assert bytes(store.get(key)) == host.gather(group, block).tobytes()
+
+    target = torch.zeros(32 * STRIDE, dtype=torch.uint8, device=device)
+    loader = _transfer(target, use_triton, staging_bytes=3 * paged.used_bytes_per_block)
+    moved = [(key, group, block + 8) for key, group, block in items]  # into other blocks
+    assert loader.load(store, moved) == [True] * len(items)
+    for (_, group, block), (_, _, new_block) in zip(items, moved):
+        assert np.array_equal(loader.gather(group, new_block), host.gather(group, block))
+    copied = target.cpu().numpy()
+    assert not copied[11 * STRIDE + 3000:11 * STRIDE + 4096].any()  # padding never travels
+    assert not copied[:11 * STRIDE].any()  # blocks below the targets untouched
+
+
+@pytest.mark.parametrize("device,use_triton", PATHS)
+def test_misses_and_wrong_sized_pages_are_not_scattered(device, use_triton):
+    paged, state = _groups()
+    source = torch.randint(1, 256, (8 * STRIDE,), dtype=torch.uint8)
     store = open_store("memory://?capacity=1MiB&pinned=false")
-    assert TorchTransfer(device_buffer).save(store, [(b"k", group, 3)]) == [True]
-    fresh = torch.zeros_like(device_buffer)
-    assert TorchTransfer(fresh).load(store, [(b"k", group, 1), (b"missing", group, 2)]) == [True, False]
-    assert np.array_equal(TorchTransfer(fresh).gather(group, 1), host_page)
+    _transfer(source.to(device), use_triton).save(store, [(b"good", paged, 1)])
+    store.put(b"short", b"\x07" * (state.used_bytes_per_block - 4))  # a page of another size
+    target = torch.zeros(8 * STRIDE, dtype=torch.uint8, device=device)
+    loader = _transfer(target, use_triton)
+    assert loader.load(store, [(b"good", paged, 2), (b"missing", paged, 3), (b"short", state, 4)]) == [True, False, False]
+    copied = target.cpu().numpy()
+    assert np.array_equal(loader.gather(paged, 2), HostTransfer(source).gather(paged, 1))
+    assert not copied[3 * STRIDE:5 * STRIDE].any()
+
+
+@pytest.mark.parametrize("device,use_triton", PATHS)
+def test_single_page_gather_scatter_and_size_check(device, use_triton):
+    paged, state = _groups()
+    buffer = torch.zeros(4 * STRIDE, dtype=torch.uint8, device=device)
+    transfer = _transfer(buffer, use_triton)
+    page = np.arange(state.used_bytes_per_block, dtype=np.int64).astype(np.uint8)
+    transfer.scatter(state, 2, page)
+    assert np.array_equal(transfer.gather(state, 2), page)
+    with pytest.raises(ValueError, match="page is"):
+        transfer.scatter(state, 1, page[:-1])
+
+
+def test_word_size_is_the_widest_dividing_type():
+    assert word_size(np.array([0, 16384]), np.array([3000, 1000])) == 8
+    assert word_size(np.array([12292]), np.array([996])) == 4
+    assert word_size(np.array([3]), np.array([8])) == 1
+
+
+def test_make_transfer_picks_by_device():
+    assert isinstance(make_transfer(torch.zeros(64, dtype=torch.uint8)), HostTransfer)
+    with pytest.raises(ValueError, match="needs triton and a GPU"):
+        SpanCopier(torch.zeros(64, dtype=torch.uint8), use_triton=True)
+    if GPU:
+        assert isinstance(make_transfer(torch.zeros(64, dtype=torch.uint8, device="cuda")), DeviceTransfer)

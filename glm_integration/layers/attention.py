@@ -38,7 +38,7 @@ class Indexer:
         gates = F.linear(x, self.gate)
         ring = cache.ring(self.layer)[chunk.tail_block]
         open_start = chunk.start // p * p
-        carried = torch.arange(open_start, chunk.start) % cache.ring_slots
+        carried = torch.arange(open_start, chunk.start, device=chunk.device) % cache.ring_slots
         keys = torch.cat([ring[carried, :d].to(keys.dtype), keys])
         gates = torch.cat([ring[carried, d:].to(gates.dtype), gates])
         complete = (chunk.end // p * p - open_start) // p
@@ -51,30 +51,32 @@ class Indexer:
                 pos = (first_pool + i) * p
                 rows[chunk.block_of(pos), (pos % chunk.block_size) // p] = row
         rest = slice(complete * p, None)
-        slots = torch.arange(open_start + complete * p, chunk.end) % cache.ring_slots
+        slots = torch.arange(open_start + complete * p, chunk.end, device=chunk.device) % cache.ring_slots
         ring[slots] = torch.cat([keys[rest], gates[rest]], dim=-1).float()
 
     def select(self, x: torch.Tensor, q_resid: torch.Tensor, chunk: Chunk, cache) -> torch.Tensor:
         """[T, end] bool: which positions each query of the chunk attends."""
-        positions = torch.arange(chunk.start, chunk.end)
-        keys = torch.arange(chunk.end)
+        dev = chunk.device
+        positions = torch.arange(chunk.start, chunk.end, device=dev)
+        keys = torch.arange(chunk.end, device=dev)
         causal = keys[None, :] <= positions[:, None]
         if chunk.end <= self.topk:
             return causal
         p = self.kpool
         pools = chunk.end // p
         rows = cache.index_rows(self.layer)
-        starts = torch.arange(pools) * p
-        table = torch.tensor(chunk.blocks, dtype=torch.long)
+        starts = torch.arange(pools, device=dev) * p
+        table = chunk.table()
         pooled = cache.decode_index_rows(rows[table[starts // chunk.block_size], (starts % chunk.block_size) // p])
         q = F.linear(q_resid, self.wq_b).view(x.shape[0], self.heads, self.dim)
         weights = F.linear(x, self.weights_proj).float() * self.heads ** -0.5
         scores = ops.indexer_scores(q, weights, pooled, self.dim ** -0.5)
         complete_visible = (positions[:, None] + 1) // p
-        visible = torch.arange(pools)[None, :] < complete_visible
+        visible = torch.arange(pools, device=dev)[None, :] < complete_visible
         chosen = ops.select_pools(scores, visible, self.topk // p)
         mask = chosen.repeat_interleave(p, dim=1)
-        mask = torch.cat([mask, torch.zeros(mask.shape[0], chunk.end - mask.shape[1], dtype=torch.bool)], dim=1)
+        mask = torch.cat([mask, torch.zeros(mask.shape[0], chunk.end - mask.shape[1], dtype=torch.bool, device=dev)],
+                         dim=1)
         if self.tail:
             mask |= causal & (keys[None, :] >= complete_visible * p)
         return mask

@@ -16,6 +16,7 @@ class Chunk:
     tail_block: int  # the request's kpool tail ring block
     block_size: int
     decode: bool = False  # one token continuing a sequence: recurrent KDA, absorbed MLA
+    device: torch.device = torch.device("cpu")  # where the cache lives: index tensors are made there
 
     @property
     def length(self) -> int:
@@ -26,6 +27,8 @@ class Chunk:
 
     def row_blocks(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(physical block, row in block) for positions [start, end)."""
-        pos = torch.arange(start, end)
-        table = torch.tensor(self.blocks, dtype=torch.long)
-        return table[pos // self.block_size], pos % self.block_size
+        pos = torch.arange(start, end, device=self.device)
+        return self.table()[pos // self.block_size], pos % self.block_size
+
+    def table(self) -> torch.Tensor:
+        return torch.tensor(self.blocks, dtype=torch.long, device=self.device)

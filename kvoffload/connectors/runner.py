@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from ..store import Store
 from .offloader import Observer, Offloader
-from .transfer import HostTransfer
+from .transfer import make_transfer
 
 
 class RunnerConnector:
     def __init__(self, store: Store, engine, observer: Observer | None = None):
         self.layout = engine.cache.layout
-        self.offloader = Offloader(store, self.layout, HostTransfer(engine.cache.buffer), observer)
+        self.offloader = Offloader(store, self.layout, make_transfer(engine.cache.buffer), observer)
         engine.connector = self
 
     def on_admit(self, engine, request) -> None:

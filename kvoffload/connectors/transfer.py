@@ -1,8 +1,8 @@
 """Moving pages between a cache's backing buffer and a store. A page is the concatenation of the used
 bytes of its group's layers in one block (padding and other groups are never copied).
 
-`HostTransfer` works on a host buffer with plain copies (CPU). A device implementation (gather into
-pinned staging, async streams) provides the same two methods."""
+`HostTransfer` works on a host buffer with plain copies (CPU); `device_transfer.DeviceTransfer` does
+the same for a GPU buffer through pinned staging and its own streams. `make_transfer` picks one."""
 
 from __future__ import annotations
 
@@ -68,26 +68,10 @@ class HostTransfer:
         return ok
 
 
-class TorchTransfer(HostTransfer):
-    """The same page moves on a buffer in device memory, with torch copies (no numpy view of device
-    memory exists). Correct everywhere; the batched, pinned, asynchronous path is the GPU transfer's."""
+def make_transfer(buffer, **options):
+    """The transfer for a cache buffer: plain copies on the host, the staged engine on a GPU."""
+    if type(buffer).__module__.startswith("torch") and buffer.device.type != "cpu":
+        from .device_transfer import DeviceTransfer
 
-    def __init__(self, buffer):
-        import torch
-
-        self.buffer = buffer.view(torch.uint8).reshape(-1)
-
-    def gather(self, group: CacheGroup, block: int) -> np.ndarray:
-        import torch
-
-        spans = page_spans(group, block)
-        return torch.cat([self.buffer[o:o + n] for o, n in spans]).cpu().numpy()
-
-    def scatter(self, group: CacheGroup, block: int, page: np.ndarray) -> None:
-        import torch
-
-        source = torch.from_numpy(np.ascontiguousarray(page)).to(self.buffer.device)
-        at = 0
-        for offset, n in page_spans(group, block):
-            self.buffer[offset:offset + n].copy_(source[at:at + n])
-            at += n
+        return DeviceTransfer(buffer, **options)
+    return HostTransfer(buffer)

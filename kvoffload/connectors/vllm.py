@@ -44,7 +44,7 @@ from ..spec.vllm import UnsupportedLayoutError, from_vllm, group_kinds, group_na
 from ..store import parse_url, shared_store
 from .offloader import Offloader
 from .plan import Page, hit_blocks
-from .transfer import HostTransfer, TorchTransfer
+from .transfer import make_transfer
 from .vllm_metrics import COUNTERS, KVOffloadPromMetrics, KVOffloadStats
 
 if TYPE_CHECKING:
@@ -316,7 +316,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         any_cache = next(iter(kv_caches.values()))
         any_cache = any_cache[0] if isinstance(any_cache, (list, tuple)) else any_cache
         raw = torch.empty(0, dtype=torch.uint8, device=any_cache.device).set_(any_cache.untyped_storage())
-        transfer = HostTransfer(raw) if raw.device.type == "cpu" else TorchTransfer(raw)
+        transfer = make_transfer(raw)
         self.offloader = Offloader(shared_store(self.store_url, fingerprint=layout.fingerprint), layout, transfer)
         self.layout = layout
         log.info("KVOffloadConnector: %s, %d bytes stored per block", self.store_url,

@@ -1,0 +1,190 @@
+"""Page moves for a cache in GPU memory at link speed: the pages of many blocks and groups are gathered
+on the device into one staging buffer by one kernel (`span_copy`), then cross the link in one copy to
+pinned host memory; loads go the other way. Saves and loads run on their own streams, ordered after
+the compute that wrote the blocks (saves) or before the compute that reads them (loads) by stream
+waits and events, so compute is never stalled by the host. Two staging slots per direction let the
+next batch move while the store takes the last one.
+
+Only torch's stream, event and pinned-memory calls are used: on ROCm builds of torch they are HIP's.
+On a CPU buffer the same code runs without streams (used by the tests on machines without a GPU)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+
+from ..spec import CacheGroup
+from ..store import Store
+from .span_copy import SpanCopier
+from .transfer import page_spans
+
+Item = tuple[bytes, CacheGroup, int]  # (store key, group, physical block)
+DEFAULT_STAGING_BYTES = 64 << 20
+
+
+class _Slot:
+    def __init__(self, nbytes: int, device: torch.device):
+        gpu = device.type == "cuda"
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=gpu)
+        self.device = torch.empty(nbytes, dtype=torch.uint8, device=device) if gpu else self.host
+        self.event = torch.cuda.Event() if gpu else None
+        self.host_bytes = self.host.numpy()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+class DeviceTransfer:
+    """`HostTransfer`'s interface (gather, scatter, save, load) for a cache buffer on a GPU."""
+
+    def __init__(self, buffer: torch.Tensor, *, staging_bytes: int = DEFAULT_STAGING_BYTES,
+                 use_triton: bool | None = None):
+        self.buffer = buffer.view(torch.uint8).reshape(-1)
+        self.device = self.buffer.device
+        self.gpu = self.device.type == "cuda"
+        self.copier = SpanCopier(self.buffer, use_triton)
+        self.staging_bytes = staging_bytes
+        self.streams = {d: torch.cuda.Stream(self.device) for d in ("save", "load")} if self.gpu else {}
+        self._slots: dict[tuple[str, int], _Slot] = {}
+
+    # -- batches and staging -------------------------------------------------------------------------
+    def batches(self, items: Sequence[Item]) -> list[list[Item]]:
+        """Consecutive runs of items whose pages fit one staging slot (a larger page goes alone)."""
+        out, size = [], 0
+        for item in items:
+            n = item[1].used_bytes_per_block
+            if not out or size + n > self.staging_bytes:
+                out.append([])
+                size = 0
+            out[-1].append(item)
+            size += n
+        return out
+
+    def _slot(self, direction: str, index: int, nbytes: int) -> _Slot:
+        slot = self._slots.get((direction, index))
+        if slot is not None:
+            slot.wait()  # its last copy must be done before it is refilled or freed
+        if slot is None or slot.host.numel() < nbytes:
+            slot = self._slots[(direction, index)] = _Slot(max(nbytes, min(self.staging_bytes, 1 << 20)), self.device)
+        return slot
+
+    def _on(self, direction: str):
+        """Run on the direction's stream, after everything already queued on the compute stream."""
+        if not self.gpu:
+            return nullcontext()
+        stream = self.streams[direction]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(stream)
+
+    @staticmethod
+    def _page_offsets(batch: Sequence[Item]) -> list[int]:
+        """Each page's offset in staging: back to back in batch order."""
+        sizes = [item[1].used_bytes_per_block for item in batch]
+        return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int).tolist() if sizes else []
+
+    @staticmethod
+    def _spans(batch: Sequence[Item], offsets: Sequence[int], keep: Sequence[bool] | None = None):
+        """(buffer spans, their staging offsets) of the batch's pages (those `keep` marks)."""
+        spans, at = [], []
+        for i, (_, group, block) in enumerate(batch):
+            if keep is None or keep[i]:
+                cursor = offsets[i]
+                for span in page_spans(group, block):
+                    spans.append(span)
+                    at.append(cursor)
+                    cursor += span[1]
+        return spans, at
+
+    # -- device -> host ------------------------------------------------------------------------------
+    def pack(self, items: Sequence[Item]) -> Iterator[tuple[list[Item], list[np.ndarray]]]:
+        """Yield (batch, a host view of each page) batch by batch; the views are valid until the next
+        batch is requested. The next batch's gather and copy are queued before this one is handed out."""
+        batches = self.batches(items)
+        queued = self._queue_pack(0, batches[0]) if batches else None
+        for i, batch in enumerate(batches):
+            slot, offsets = queued
+            if i + 1 < len(batches):
+                queued = self._queue_pack((i + 1) % 2, batches[i + 1])
+            slot.wait()
+            yield batch, [slot.host_bytes[o:o + item[1].used_bytes_per_block] for o, item in zip(offsets, batch)]
+
+    def _queue_pack(self, index: int, batch: Sequence[Item]) -> tuple[_Slot, list[int]]:
+        offsets = self._page_offsets(batch)
+        spans, at = self._spans(batch, offsets)
+        total = sum(item[1].used_bytes_per_block for item in batch)
+        slot = self._slot("save", index, total)
+        with self._on("save"):
+            self.copier.gather(spans, slot.device, at)
+            if self.gpu:
+                slot.host[:total].copy_(slot.device[:total], non_blocking=True)
+                slot.event.record()
+        return slot, offsets
+
+    # -- host -> device ------------------------------------------------------------------------------
+    def unpack(self, batch: Sequence[Item], fill: Callable[[np.ndarray, list[int]], list[bool]], index: int = 0) -> list[bool]:
+        """`fill(host staging, page offsets)` writes the batch's pages into pinned staging and says which
+        arrived; those are copied to the device and scattered into their blocks. Compute queued after
+        this call waits for them; the host does not."""
+        total = sum(item[1].used_bytes_per_block for item in batch)
+        slot = self._slot("load", index, total)
+        offsets = self._page_offsets(batch)
+        ok = fill(slot.host_bytes, offsets)
+        spans, at = self._spans(batch, offsets, ok)
+        if not spans:
+            return ok
+        with self._on("load"):
+            if self.gpu:
+                slot.device[:total].copy_(slot.host[:total], non_blocking=True)
+            self.copier.scatter(spans, slot.device, at)
+            if self.gpu:
+                slot.event.record()
+        if self.gpu:
+            torch.cuda.current_stream(self.device).wait_event(slot.event)
+        return ok
+
+    # -- the transfer interface ----------------------------------------------------------------------
+    def gather(self, group: CacheGroup, block: int) -> np.ndarray:
+        for _, views in self.pack([(b"", group, block)]):
+            return views[0].copy()
+        raise AssertionError("unreachable")
+
+    def scatter(self, group: CacheGroup, block: int, page: np.ndarray) -> None:
+        def fill(host: np.ndarray, offsets: list[int]) -> list[bool]:
+            host[offsets[0]:offsets[0] + page.nbytes] = np.frombuffer(page, dtype=np.uint8)
+            return [True]
+
+        if np.asarray(page).nbytes != group.used_bytes_per_block:
+            raise ValueError(f"a {group.name} page is {group.used_bytes_per_block} bytes, got {np.asarray(page).nbytes}")
+        self.unpack([(b"", group, block)], fill)
+
+    def save(self, store: Store, pages: Sequence[Item]) -> list[bool]:
+        """Gather, copy to pinned staging and store the pages batch by batch; True per page stored."""
+        written: list[bool] = []
+        for batch, views in self.pack(pages):
+            written += store.put_many([(key, view) for (key, _, _), view in zip(batch, views)])
+        return written
+
+    def load(self, store: Store, pages: Sequence[Item]) -> list[bool]:
+        """Read each batch from the store straight into pinned staging, then copy and scatter it; a page
+        missing, failing its checksum or of another size is a miss and is not scattered."""
+        ok: list[bool] = []
+        for i, batch in enumerate(self.batches(pages)):
+            def fill(host: np.ndarray, offsets: list[int], batch=batch) -> list[bool]:
+                arrived = [False] * len(batch)
+
+                def consume(j: int, view: memoryview) -> None:
+                    n = batch[j][1].used_bytes_per_block
+                    if view.nbytes == n:
+                        host[offsets[j]:offsets[j] + n] = np.frombuffer(view, dtype=np.uint8)
+                        arrived[j] = True
+
+                store.read_many([key for key, _, _ in batch], consume)
+                return arrived
+
+            ok += self.unpack(batch, fill, index=i % 2)
+        return ok
+

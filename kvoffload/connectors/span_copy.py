@@ -1,0 +1,92 @@
+"""Copy many byte spans of a device buffer into one contiguous staging buffer and back, in one launch.
+
+A batch of pages is thousands of small spans (one per layer per block per group); one copy each runs
+at a fraction of link speed. The spans are cut into tiles described by one small table, and one Triton
+program per tile moves it (the same kernel on NVIDIA and AMD GPUs). Without Triton (or on the CPU) the
+same spans move through `torch._foreach_copy_`, which batches the copies into a few launches.
+All sizes are in words of the widest integer type that divides every offset and length.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU build: the foreach path only
+    triton = None
+
+TILE_WORDS = 2048
+_WORD_TYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+if triton is not None:
+    @triton.jit
+    def _copy_tiles(src, dst, table, TILE: tl.constexpr):
+        """Tile i: copy table[i, 2] words from src + table[i, 0] to dst + table[i, 1]."""
+        i = tl.program_id(0).to(tl.int64)
+        src_at = tl.load(table + 3 * i)
+        dst_at = tl.load(table + 3 * i + 1)
+        n = tl.load(table + 3 * i + 2)
+        offs = tl.arange(0, TILE)
+        mask = offs < n
+        tl.store(dst + dst_at + offs, tl.load(src + src_at + offs, mask=mask), mask=mask)
+
+
+def word_size(offsets: np.ndarray, lengths: np.ndarray) -> int:
+    g = math.gcd(int(np.gcd.reduce(offsets)) if len(offsets) else 0, int(np.gcd.reduce(lengths)) if len(lengths) else 0)
+    return next(w for w in (8, 4, 2, 1) if g % w == 0)
+
+
+class SpanCopier:
+    """Gather spans of `buffer` (flat uint8, any device) into staging, or scatter staging into them."""
+
+    def __init__(self, buffer: torch.Tensor, use_triton: bool | None = None):
+        self.buffer = buffer
+        on_gpu = buffer.device.type == "cuda"
+        self.use_triton = (triton is not None and on_gpu) if use_triton is None else use_triton
+        if self.use_triton and (triton is None or not on_gpu):
+            raise ValueError("the Triton span copy needs triton and a GPU buffer")
+
+    def gather(self, spans: Sequence[tuple[int, int]], staging: torch.Tensor, at: Sequence[int] | None = None) -> None:
+        """Buffer spans (offset, length) -> staging at offsets `at` (default: back to back)."""
+        self._move(spans, staging, at, to_staging=True)
+
+    def scatter(self, spans: Sequence[tuple[int, int]], staging: torch.Tensor, at: Sequence[int] | None = None) -> None:
+        """Staging at offsets `at` (default: back to back) -> buffer spans (offset, length)."""
+        self._move(spans, staging, at, to_staging=False)
+
+    def _move(self, spans, staging: torch.Tensor, at, to_staging: bool) -> None:
+        if not spans:
+            return
+        table = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+        offsets, lengths = table[:, 0], table[:, 1]
+        staged = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if at is None else np.asarray(at, dtype=np.int64)
+        if int((staged + lengths).max()) > staging.numel():
+            raise ValueError(f"staging holds {staging.numel()} bytes, the spans reach {int((staged + lengths).max())}")
+        if self.use_triton:
+            w = word_size(np.concatenate([offsets, staged, [self.buffer.storage_offset(), self.buffer.numel(),
+                                                             staging.numel()]]), lengths)
+            words = _WORD_TYPES[w]
+            src_at, dst_at = (offsets // w, staged // w) if to_staging else (staged // w, offsets // w)
+            tiles = self._tile_table(src_at, dst_at, lengths // w)
+            buffer, stage = self.buffer.view(words), staging.view(words)
+            src, dst = (buffer, stage) if to_staging else (stage, buffer)
+            _copy_tiles[(tiles.shape[0],)](src, dst, tiles, TILE=TILE_WORDS)
+        else:
+            parts = [self.buffer[o:o + n] for o, n in zip(offsets.tolist(), lengths.tolist())]
+            staged_parts = [staging[s:s + n] for s, n in zip(staged.tolist(), lengths.tolist())]
+            dst, src = (staged_parts, parts) if to_staging else (parts, staged_parts)
+            torch._foreach_copy_(dst, src)
+
+    def _tile_table(self, src_at: np.ndarray, dst_at: np.ndarray, words: np.ndarray) -> torch.Tensor:
+        count = (words + TILE_WORDS - 1) // TILE_WORDS
+        span = np.repeat(np.arange(len(words)), count)
+        first = np.repeat(np.cumsum(count) - count, count)
+        step = (np.arange(len(span)) - first) * TILE_WORDS
+        table = np.stack([src_at[span] + step, dst_at[span] + step, np.minimum(words[span] - step, TILE_WORDS)], 1)
+        return torch.from_numpy(np.ascontiguousarray(table)).to(self.buffer.device, non_blocking=False)

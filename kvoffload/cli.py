@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     ver.add_argument("--quiet", action="store_true", help="no progress output")
     ver.set_defaults(func=_verify)
     bench = sub.add_parser("bench", help="offload benchmarks with same-run baselines (JSON)")
-    bench.add_argument("name", choices=["store", "footprint", "ttft"])
+    bench.add_argument("name", choices=["store", "footprint", "ttft", "transfer"])
     bench.add_argument("--quick", action="store_true", help="small sizes: checks the benchmark, not the machine")
     bench.add_argument("--out", default="bench/results", help="directory for the JSON result (default bench/results)")
     bench.add_argument("--json", action="store_true", help="print the result JSON instead of progress")

@@ -43,3 +43,15 @@ def test_ttft_benchmark_json(tmp_path):
     (row,) = result["results"]
     assert row["prefix_tokens"] == 64 and row["cold_ms"] > 0
     assert row["warm_memory_ms"] > 0 and row["warm_lmdb_ms"] > 0  # the run asserts hits and equal tokens
+
+
+def test_transfer_benchmark_json(tmp_path):
+    result = _bench("transfer", tmp_path)
+    assert set(result["results"]) == {"all_groups", "mla_pages"}
+    for row in result["results"].values():
+        assert row["bytes"] > 0 and row["spans"] >= row["pages"] > 0
+        for key in ("raw_memcpy_save_GBps", "raw_memcpy_load_GBps", "raw_memcpy_both_GBps", "staged_save_GBps",
+                    "staged_load_GBps", "staged_both_GBps", "per_span_save_GBps"):
+            assert row[key] > 0, key
+        assert row["end_to_end"]["memory_store_save_GBps"] > 0 and row["end_to_end"]["memory_store_load_GBps"] > 0
+        assert set(row["ratios"]) == {"save_vs_memcpy", "load_vs_memcpy", "both_vs_memcpy", "per_span_save_vs_memcpy"}

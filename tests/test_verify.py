@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import store_urls, subprocess_env
 from kvoffload.connectors import offloader as offloader_module
@@ -35,6 +36,15 @@ def test_verify_in_process(tmp_path, tiny_checkpoint, tier):
 @pytest.mark.parametrize("tier", ["lmdb", "tiered"])
 def test_verify_across_a_restart(tmp_path, tiny_checkpoint, tier):
     _check_all_equal(verify(store_urls(tmp_path, capacity="1GiB")[tier], model_dir=tiny_checkpoint, restart=True))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("tier,restart", [("memory", False), ("lmdb", False), ("lmdb", True)])
+def test_verify_on_the_gpu(tmp_path, tiny_checkpoint, tier, restart):
+    report = verify(store_urls(tmp_path, capacity="1GiB")[tier], model_dir=tiny_checkpoint, device="cuda",
+                    restart=restart)
+    assert report["device"] == "cuda" and report["kernels"] == "triton"
+    _check_all_equal(report)
 
 
 def test_memory_store_cannot_verify_a_restart(tiny_checkpoint):

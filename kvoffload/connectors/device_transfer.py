@@ -50,6 +50,7 @@ class DeviceTransfer:
         self.staging_bytes = staging_bytes
         self.streams = {d: torch.cuda.Stream(self.device) for d in ("save", "load")} if self.gpu else {}
         self._slots: dict[tuple[str, int], _Slot] = {}
+        self._templates: dict[int, tuple] = {}
 
     # -- batches and staging -------------------------------------------------------------------------
     def batches(self, items: Sequence[Item]) -> list[list[Item]]:
@@ -81,23 +82,39 @@ class DeviceTransfer:
         return torch.cuda.stream(stream)
 
     @staticmethod
-    def _page_offsets(batch: Sequence[Item]) -> list[int]:
+    def _page_offsets(batch: Sequence[Item]) -> np.ndarray:
         """Each page's offset in staging: back to back in batch order."""
-        sizes = [item[1].used_bytes_per_block for item in batch]
-        return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int).tolist() if sizes else []
+        sizes = np.fromiter((item[1].used_bytes_per_block for item in batch), dtype=np.int64, count=len(batch))
+        return np.cumsum(sizes) - sizes
 
-    @staticmethod
-    def _spans(batch: Sequence[Item], offsets: Sequence[int], keep: Sequence[bool] | None = None):
-        """(buffer spans, their staging offsets) of the batch's pages (those `keep` marks)."""
-        spans, at = [], []
+    def _template(self, group: CacheGroup) -> tuple[np.ndarray, ...]:
+        """Per span of a page, in page order: offset in block 0, block stride, length, offset in the page."""
+        entry = self._templates.get(id(group))
+        if entry is None or entry[0] is not group:
+            spans = np.asarray([(r.page_offset(layer, 0), r.block_stride, r.used_bytes)
+                                for r in group.regions for layer in range(r.num_layers)], dtype=np.int64)
+            entry = self._templates[id(group)] = (group, spans[:, 0], spans[:, 1], spans[:, 2],
+                                                  np.cumsum(spans[:, 2]) - spans[:, 2])
+        return entry[1:]
+
+    def _spans(self, batch: Sequence[Item], page_at: np.ndarray, keep: Sequence[bool] | None = None):
+        """(buffer offsets, lengths, staging offsets) of every span of the batch's pages (those `keep`
+        marks), computed per group for all its blocks at once."""
+        by_group: dict[int, tuple[CacheGroup, list[int], list[int]]] = {}
         for i, (_, group, block) in enumerate(batch):
             if keep is None or keep[i]:
-                cursor = offsets[i]
-                for span in page_spans(group, block):
-                    spans.append(span)
-                    at.append(cursor)
-                    cursor += span[1]
-        return spans, at
+                entry = by_group.setdefault(id(group), (group, [], []))
+                entry[1].append(block)
+                entry[2].append(int(page_at[i]))
+        parts = []
+        for group, blocks, starts in by_group.values():
+            base, stride, length, rel = self._template(group)
+            b, s = np.asarray(blocks, dtype=np.int64)[:, None], np.asarray(starts, dtype=np.int64)[:, None]
+            parts.append(((base + b * stride).ravel(), np.tile(length, len(blocks)), (s + rel).ravel()))
+        if not parts:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, empty
+        return tuple(np.concatenate(column) for column in zip(*parts))
 
     # -- device -> host ------------------------------------------------------------------------------
     def pack(self, items: Sequence[Item]) -> Iterator[tuple[list[Item], list[np.ndarray]]]:
@@ -110,15 +127,15 @@ class DeviceTransfer:
             if i + 1 < len(batches):
                 queued = self._queue_pack((i + 1) % 2, batches[i + 1])
             slot.wait()
-            yield batch, [slot.host_bytes[o:o + item[1].used_bytes_per_block] for o, item in zip(offsets, batch)]
+            yield batch, [slot.host_bytes[o:o + item[1].used_bytes_per_block] for o, item in zip(offsets.tolist(), batch)]
 
     def _queue_pack(self, index: int, batch: Sequence[Item]) -> tuple[_Slot, list[int]]:
         offsets = self._page_offsets(batch)
-        spans, at = self._spans(batch, offsets)
         total = sum(item[1].used_bytes_per_block for item in batch)
         slot = self._slot("save", index, total)
+        spans, lengths, at = self._spans(batch, offsets)
         with self._on("save"):
-            self.copier.gather(spans, slot.device, at)
+            self.copier.gather(spans, lengths, slot.device, at)
             if self.gpu:
                 slot.host[:total].copy_(slot.device[:total], non_blocking=True)
                 slot.event.record()
@@ -132,14 +149,14 @@ class DeviceTransfer:
         total = sum(item[1].used_bytes_per_block for item in batch)
         slot = self._slot("load", index, total)
         offsets = self._page_offsets(batch)
-        ok = fill(slot.host_bytes, offsets)
-        spans, at = self._spans(batch, offsets, ok)
-        if not spans:
+        ok = fill(slot.host_bytes, offsets.tolist())
+        spans, lengths, at = self._spans(batch, offsets, ok)
+        if not len(spans):
             return ok
         with self._on("load"):
             if self.gpu:
                 slot.device[:total].copy_(slot.host[:total], non_blocking=True)
-            self.copier.scatter(spans, slot.device, at)
+            self.copier.scatter(spans, lengths, slot.device, at)
             if self.gpu:
                 slot.event.record()
         if self.gpu:

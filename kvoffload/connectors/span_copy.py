@@ -43,7 +43,8 @@ def word_size(offsets: np.ndarray, lengths: np.ndarray) -> int:
 
 
 class SpanCopier:
-    """Gather spans of `buffer` (flat uint8, any device) into staging, or scatter staging into them."""
+    """Gather spans of `buffer` (flat uint8, any device) into staging, or scatter staging into them.
+    Spans are numpy arrays: buffer offsets, lengths, and staging offsets, all in bytes."""
 
     def __init__(self, buffer: torch.Tensor, use_triton: bool | None = None):
         self.buffer = buffer
@@ -52,41 +53,43 @@ class SpanCopier:
         if self.use_triton and (triton is None or not on_gpu):
             raise ValueError("the Triton span copy needs triton and a GPU buffer")
 
-    def gather(self, spans: Sequence[tuple[int, int]], staging: torch.Tensor, at: Sequence[int] | None = None) -> None:
-        """Buffer spans (offset, length) -> staging at offsets `at` (default: back to back)."""
-        self._move(spans, staging, at, to_staging=True)
+    def gather(self, offsets: np.ndarray, lengths: np.ndarray, staging: torch.Tensor, at: np.ndarray) -> None:
+        """buffer[offsets[i] : +lengths[i]] -> staging[at[i] : +lengths[i]], on the current stream."""
+        self._move(offsets, lengths, staging, at, to_staging=True)
 
-    def scatter(self, spans: Sequence[tuple[int, int]], staging: torch.Tensor, at: Sequence[int] | None = None) -> None:
-        """Staging at offsets `at` (default: back to back) -> buffer spans (offset, length)."""
-        self._move(spans, staging, at, to_staging=False)
+    def scatter(self, offsets: np.ndarray, lengths: np.ndarray, staging: torch.Tensor, at: np.ndarray) -> None:
+        """staging[at[i] : +lengths[i]] -> buffer[offsets[i] : +lengths[i]], on the current stream."""
+        self._move(offsets, lengths, staging, at, to_staging=False)
 
-    def _move(self, spans, staging: torch.Tensor, at, to_staging: bool) -> None:
-        if not spans:
+    def _move(self, offsets, lengths, staging: torch.Tensor, at, to_staging: bool) -> None:
+        if len(offsets) == 0:
             return
-        table = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
-        offsets, lengths = table[:, 0], table[:, 1]
-        staged = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if at is None else np.asarray(at, dtype=np.int64)
-        if int((staged + lengths).max()) > staging.numel():
-            raise ValueError(f"staging holds {staging.numel()} bytes, the spans reach {int((staged + lengths).max())}")
+        if int((at + lengths).max()) > staging.numel() or int((offsets + lengths).max()) > self.buffer.numel():
+            raise ValueError("a span lies outside the staging buffer or the cache buffer")
         if self.use_triton:
-            w = word_size(np.concatenate([offsets, staged, [self.buffer.storage_offset(), self.buffer.numel(),
-                                                             staging.numel()]]), lengths)
-            words = _WORD_TYPES[w]
-            src_at, dst_at = (offsets // w, staged // w) if to_staging else (staged // w, offsets // w)
+            w = word_size(np.concatenate([offsets, at, [self.buffer.storage_offset(), self.buffer.numel(),
+                                                         staging.numel()]]), lengths)
+            src_at, dst_at = (offsets // w, at // w) if to_staging else (at // w, offsets // w)
             tiles = self._tile_table(src_at, dst_at, lengths // w)
-            buffer, stage = self.buffer.view(words), staging.view(words)
+            buffer, stage = self.buffer.view(_WORD_TYPES[w]), staging.view(_WORD_TYPES[w])
             src, dst = (buffer, stage) if to_staging else (stage, buffer)
             _copy_tiles[(tiles.shape[0],)](src, dst, tiles, TILE=TILE_WORDS)
         else:
             parts = [self.buffer[o:o + n] for o, n in zip(offsets.tolist(), lengths.tolist())]
-            staged_parts = [staging[s:s + n] for s, n in zip(staged.tolist(), lengths.tolist())]
-            dst, src = (staged_parts, parts) if to_staging else (parts, staged_parts)
+            staged = [staging[a:a + n] for a, n in zip(at.tolist(), lengths.tolist())]
+            dst, src = (staged, parts) if to_staging else (parts, staged)
             torch._foreach_copy_(dst, src)
 
     def _tile_table(self, src_at: np.ndarray, dst_at: np.ndarray, words: np.ndarray) -> torch.Tensor:
+        """(src, dst, words) per tile, uploaded without stalling the host: from pinned memory, which
+        torch's host allocator does not reuse before the copy has run."""
         count = (words + TILE_WORDS - 1) // TILE_WORDS
         span = np.repeat(np.arange(len(words)), count)
         first = np.repeat(np.cumsum(count) - count, count)
         step = (np.arange(len(span)) - first) * TILE_WORDS
-        table = np.stack([src_at[span] + step, dst_at[span] + step, np.minimum(words[span] - step, TILE_WORDS)], 1)
-        return torch.from_numpy(np.ascontiguousarray(table)).to(self.buffer.device, non_blocking=False)
+        pinned = torch.empty((len(span), 3), dtype=torch.int64, pin_memory=True)
+        table = pinned.numpy()
+        table[:, 0] = src_at[span] + step
+        table[:, 1] = dst_at[span] + step
+        table[:, 2] = np.minimum(words[span] - step, TILE_WORDS)
+        return pinned.to(self.buffer.device, non_blocking=True)

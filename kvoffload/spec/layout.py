@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 
 # Bump when the meaning of stored page bytes changes for the same layout.
 PAGE_FORMAT_VERSION = 1
@@ -76,7 +77,7 @@ class CacheGroup:
     def layer_names(self) -> tuple[str, ...]:
         return tuple(name for r in self.regions for name in r.layer_names)
 
-    @property
+    @cached_property
     def used_bytes_per_block(self) -> int:
         """Bytes one block of this group really holds, summed over its layers."""
         return sum(r.used_bytes * r.num_layers for r in self.regions)

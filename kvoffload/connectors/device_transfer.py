@@ -18,7 +18,7 @@ import torch
 
 from ..spec import CacheGroup
 from ..store import Store
-from .span_copy import SpanCopier
+from .span_copy import SpanCopier, TileTable
 from .transfer import page_spans
 
 Item = tuple[bytes, CacheGroup, int]  # (store key, group, physical block)
@@ -31,6 +31,7 @@ class _Slot:
         self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=gpu)
         self.device = torch.empty(nbytes, dtype=torch.uint8, device=device) if gpu else self.host
         self.event = torch.cuda.Event() if gpu else None
+        self.table = TileTable(device) if gpu else None
         self.host_bytes = self.host.numpy()
 
     def wait(self) -> None:
@@ -100,17 +101,18 @@ class DeviceTransfer:
     def _spans(self, batch: Sequence[Item], page_at: np.ndarray, keep: Sequence[bool] | None = None):
         """(buffer offsets, lengths, staging offsets) of every span of the batch's pages (those `keep`
         marks), computed per group for all its blocks at once."""
-        by_group: dict[int, tuple[CacheGroup, list[int], list[int]]] = {}
-        for i, (_, group, block) in enumerate(batch):
-            if keep is None or keep[i]:
-                entry = by_group.setdefault(id(group), (group, [], []))
-                entry[1].append(block)
-                entry[2].append(int(page_at[i]))
+        if keep is not None:
+            chosen = [i for i, k in enumerate(keep) if k]
+            batch, page_at = [batch[i] for i in chosen], page_at[chosen]
+        groups = {id(item[1]): item[1] for item in batch}
+        which = np.fromiter([id(item[1]) for item in batch], dtype=np.int64, count=len(batch)) if len(groups) > 1 else None
+        blocks = np.fromiter([item[2] for item in batch], dtype=np.int64, count=len(batch))
         parts = []
-        for group, blocks, starts in by_group.values():
+        for key, group in groups.items():
+            mine = slice(None) if which is None else which == key
             base, stride, length, rel = self._template(group)
-            b, s = np.asarray(blocks, dtype=np.int64)[:, None], np.asarray(starts, dtype=np.int64)[:, None]
-            parts.append(((base + b * stride).ravel(), np.tile(length, len(blocks)), (s + rel).ravel()))
+            b, s = blocks[mine][:, None], page_at[mine][:, None]
+            parts.append(((base + b * stride).ravel(), np.tile(length, len(b)), (s + rel).ravel()))
         if not parts:
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty, empty
@@ -135,7 +137,7 @@ class DeviceTransfer:
         slot = self._slot("save", index, total)
         spans, lengths, at = self._spans(batch, offsets)
         with self._on("save"):
-            self.copier.gather(spans, lengths, slot.device, at)
+            self.copier.gather(spans, lengths, slot.device, at, slot.table)
             if self.gpu:
                 slot.host[:total].copy_(slot.device[:total], non_blocking=True)
                 slot.event.record()
@@ -156,7 +158,7 @@ class DeviceTransfer:
         with self._on("load"):
             if self.gpu:
                 slot.device[:total].copy_(slot.host[:total], non_blocking=True)
-            self.copier.scatter(spans, lengths, slot.device, at)
+            self.copier.scatter(spans, lengths, slot.device, at, slot.table)
             if self.gpu:
                 slot.event.record()
         if self.gpu:

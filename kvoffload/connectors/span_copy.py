@@ -21,20 +21,22 @@ try:
 except ImportError:  # the CPU build: the foreach path only
     triton = None
 
-TILE_WORDS = 2048
+TILE_WORDS = 32768  # per program: long spans are cut into tiles of at most this many words
+BLOCK_WORDS = 2048  # per loop step of a program
 _WORD_TYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 if triton is not None:
     @triton.jit
-    def _copy_tiles(src, dst, table, TILE: tl.constexpr):
+    def _copy_tiles(src, dst, table, BLOCK: tl.constexpr):
         """Tile i: copy table[i, 2] words from src + table[i, 0] to dst + table[i, 1]."""
         i = tl.program_id(0).to(tl.int64)
         src_at = tl.load(table + 3 * i)
         dst_at = tl.load(table + 3 * i + 1)
         n = tl.load(table + 3 * i + 2)
-        offs = tl.arange(0, TILE)
-        mask = offs < n
-        tl.store(dst + dst_at + offs, tl.load(src + src_at + offs, mask=mask), mask=mask)
+        for start in range(0, n, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n
+            tl.store(dst + dst_at + offs, tl.load(src + src_at + offs, mask=mask), mask=mask)
 
 
 def word_size(offsets: np.ndarray, lengths: np.ndarray) -> int:
@@ -53,15 +55,18 @@ class SpanCopier:
         if self.use_triton and (triton is None or not on_gpu):
             raise ValueError("the Triton span copy needs triton and a GPU buffer")
 
-    def gather(self, offsets: np.ndarray, lengths: np.ndarray, staging: torch.Tensor, at: np.ndarray) -> None:
-        """buffer[offsets[i] : +lengths[i]] -> staging[at[i] : +lengths[i]], on the current stream."""
-        self._move(offsets, lengths, staging, at, to_staging=True)
+    def gather(self, offsets: np.ndarray, lengths: np.ndarray, staging: torch.Tensor, at: np.ndarray,
+               table: TileTable | None = None) -> None:
+        """buffer[offsets[i] : +lengths[i]] -> staging[at[i] : +lengths[i]], on the current stream.
+        `table` is where the tile table is built; reuse one only after the last copy with it ran."""
+        self._move(offsets, lengths, staging, at, True, table)
 
-    def scatter(self, offsets: np.ndarray, lengths: np.ndarray, staging: torch.Tensor, at: np.ndarray) -> None:
+    def scatter(self, offsets: np.ndarray, lengths: np.ndarray, staging: torch.Tensor, at: np.ndarray,
+                table: TileTable | None = None) -> None:
         """staging[at[i] : +lengths[i]] -> buffer[offsets[i] : +lengths[i]], on the current stream."""
-        self._move(offsets, lengths, staging, at, to_staging=False)
+        self._move(offsets, lengths, staging, at, False, table)
 
-    def _move(self, offsets, lengths, staging: torch.Tensor, at, to_staging: bool) -> None:
+    def _move(self, offsets, lengths, staging: torch.Tensor, at, to_staging: bool, table) -> None:
         if len(offsets) == 0:
             return
         if int((at + lengths).max()) > staging.numel() or int((offsets + lengths).max()) > self.buffer.numel():
@@ -70,26 +75,37 @@ class SpanCopier:
             w = word_size(np.concatenate([offsets, at, [self.buffer.storage_offset(), self.buffer.numel(),
                                                          staging.numel()]]), lengths)
             src_at, dst_at = (offsets // w, at // w) if to_staging else (at // w, offsets // w)
-            tiles = self._tile_table(src_at, dst_at, lengths // w)
+            tiles = (table or TileTable(self.buffer.device)).fill(src_at, dst_at, lengths // w)
             buffer, stage = self.buffer.view(_WORD_TYPES[w]), staging.view(_WORD_TYPES[w])
             src, dst = (buffer, stage) if to_staging else (stage, buffer)
-            _copy_tiles[(tiles.shape[0],)](src, dst, tiles, TILE=TILE_WORDS)
+            _copy_tiles[(tiles.shape[0],)](src, dst, tiles, BLOCK=BLOCK_WORDS, num_warps=8)
         else:
             parts = [self.buffer[o:o + n] for o, n in zip(offsets.tolist(), lengths.tolist())]
             staged = [staging[a:a + n] for a, n in zip(at.tolist(), lengths.tolist())]
             dst, src = (staged, parts) if to_staging else (parts, staged)
             torch._foreach_copy_(dst, src)
 
-    def _tile_table(self, src_at: np.ndarray, dst_at: np.ndarray, words: np.ndarray) -> torch.Tensor:
-        """(src, dst, words) per tile, uploaded without stalling the host: from pinned memory, which
-        torch's host allocator does not reuse before the copy has run."""
+
+class TileTable:
+    """(src, dst, words) per tile, in pinned host memory and on the device: uploaded without stalling
+    the host, and kept for reuse so no batch pays for a pinned allocation."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.rows = device, 0
+        self.host = self.on_device = None
+
+    def fill(self, src_at: np.ndarray, dst_at: np.ndarray, words: np.ndarray) -> torch.Tensor:
         count = (words + TILE_WORDS - 1) // TILE_WORDS
         span = np.repeat(np.arange(len(words)), count)
-        first = np.repeat(np.cumsum(count) - count, count)
-        step = (np.arange(len(span)) - first) * TILE_WORDS
-        pinned = torch.empty((len(span), 3), dtype=torch.int64, pin_memory=True)
-        table = pinned.numpy()
-        table[:, 0] = src_at[span] + step
-        table[:, 1] = dst_at[span] + step
-        table[:, 2] = np.minimum(words[span] - step, TILE_WORDS)
-        return pinned.to(self.buffer.device, non_blocking=True)
+        step = (np.arange(len(span)) - np.repeat(np.cumsum(count) - count, count)) * TILE_WORDS
+        if len(span) > self.rows:
+            self.rows = max(len(span), 2 * self.rows, 1024)
+            self.host = torch.empty((self.rows, 3), dtype=torch.int64, pin_memory=True)
+            self.on_device = torch.empty((self.rows, 3), dtype=torch.int64, device=self.device)
+        rows = self.host.numpy()[:len(span)]
+        rows[:, 0] = src_at[span] + step
+        rows[:, 1] = dst_at[span] + step
+        rows[:, 2] = np.minimum(words[span] - step, TILE_WORDS)
+        on_device = self.on_device[:len(span)]
+        on_device.copy_(self.host[:len(span)], non_blocking=True)
+        return on_device

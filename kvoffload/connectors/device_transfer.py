@@ -22,7 +22,7 @@ from .span_copy import SpanCopier, TileTable
 from .transfer import page_spans
 
 Item = tuple[bytes, CacheGroup, int]  # (store key, group, physical block)
-DEFAULT_STAGING_BYTES = 64 << 20
+DEFAULT_STAGING_BYTES = 128 << 20  # per slot; two slots per direction, allocated on first use
 
 
 class _Slot:
@@ -54,17 +54,19 @@ class DeviceTransfer:
         self._templates: dict[int, tuple] = {}
 
     # -- batches and staging -------------------------------------------------------------------------
-    def batches(self, items: Sequence[Item]) -> list[list[Item]]:
+    def batches(self, items: Sequence[Item]) -> list[Sequence[Item]]:
         """Consecutive runs of items whose pages fit one staging slot (a larger page goes alone)."""
-        out, size = [], 0
-        for item in items:
-            n = item[1].used_bytes_per_block
-            if not out or size + n > self.staging_bytes:
-                out.append([])
+        cuts = self._cuts(self._sizes(items))
+        return [items[a:b] for a, b in zip(cuts, cuts[1:])]
+
+    def _cuts(self, sizes: np.ndarray) -> list[int]:
+        cuts, size = [0], 0
+        for i, n in enumerate(sizes.tolist()):
+            if size and size + n > self.staging_bytes:
+                cuts.append(i)
                 size = 0
-            out[-1].append(item)
             size += n
-        return out
+        return cuts + [len(sizes)] if len(sizes) else cuts
 
     def _slot(self, direction: str, index: int, nbytes: int) -> _Slot:
         slot = self._slots.get((direction, index))
@@ -74,18 +76,21 @@ class DeviceTransfer:
             slot = self._slots[(direction, index)] = _Slot(max(nbytes, min(self.staging_bytes, 1 << 20)), self.device)
         return slot
 
-    def _on(self, direction: str):
+    def _on(self, direction: str, compute=None):
         """Run on the direction's stream, after everything already queued on the compute stream."""
         if not self.gpu:
             return nullcontext()
         stream = self.streams[direction]
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        stream.wait_stream(compute or torch.cuda.current_stream(self.device))
         return torch.cuda.stream(stream)
 
     @staticmethod
-    def _page_offsets(batch: Sequence[Item]) -> np.ndarray:
+    def _sizes(items: Sequence[Item]) -> np.ndarray:
+        return np.fromiter([item[1].used_bytes_per_block for item in items], dtype=np.int64, count=len(items))
+
+    def _page_offsets(self, batch: Sequence[Item]) -> np.ndarray:
         """Each page's offset in staging: back to back in batch order."""
-        sizes = np.fromiter((item[1].used_bytes_per_block for item in batch), dtype=np.int64, count=len(batch))
+        sizes = self._sizes(batch)
         return np.cumsum(sizes) - sizes
 
     def _template(self, group: CacheGroup) -> tuple[np.ndarray, ...]:
@@ -119,29 +124,44 @@ class DeviceTransfer:
         return tuple(np.concatenate(column) for column in zip(*parts))
 
     # -- device -> host ------------------------------------------------------------------------------
-    def pack(self, items: Sequence[Item]) -> Iterator[tuple[list[Item], list[np.ndarray]]]:
+    def pack(self, items: Sequence[Item]) -> Iterator[tuple[Sequence[Item], list[np.ndarray]]]:
         """Yield (batch, a host view of each page) batch by batch; the views are valid until the next
-        batch is requested. The next batch's gather and copy are queued before this one is handed out."""
-        batches = self.batches(items)
-        queued = self._queue_pack(0, batches[0]) if batches else None
-        for i, batch in enumerate(batches):
-            slot, offsets = queued
-            if i + 1 < len(batches):
-                queued = self._queue_pack((i + 1) % 2, batches[i + 1])
-            slot.wait()
-            yield batch, [slot.host_bytes[o:o + item[1].used_bytes_per_block] for o, item in zip(offsets.tolist(), batch)]
+        batch is requested. The next batch's gather and copy are queued before this one is handed out.
+        The spans of all batches are planned at once (one vectorised pass, not one per batch)."""
+        if not items:
+            return
+        sizes = self._sizes(items)
+        page_at = np.cumsum(sizes) - sizes
+        spans, lengths, at = self._spans(items, page_at)
+        order = np.argsort(at, kind="stable")
+        spans, lengths, at = spans[order], lengths[order], at[order]
+        cuts = self._cuts(sizes)
+        span_cuts = np.searchsorted(at, page_at[cuts[:-1]]).tolist() + [len(at)]
+        compute = torch.cuda.current_stream(self.device) if self.gpu else None
 
-    def _queue_pack(self, index: int, batch: Sequence[Item]) -> tuple[_Slot, list[int]]:
-        offsets = self._page_offsets(batch)
-        total = sum(item[1].used_bytes_per_block for item in batch)
-        slot = self._slot("save", index, total)
-        spans, lengths, at = self._spans(batch, offsets)
-        with self._on("save"):
-            self.copier.gather(spans, lengths, slot.device, at, slot.table)
-            if self.gpu:
-                slot.host[:total].copy_(slot.device[:total], non_blocking=True)
-                slot.event.record()
-        return slot, offsets
+        def queue(k: int) -> _Slot:
+            first, last = cuts[k], cuts[k + 1] - 1
+            base = int(page_at[first])
+            total = int(page_at[last] + sizes[last]) - base
+            slot = self._slot("save", k % 2, total)
+            a, b = span_cuts[k], span_cuts[k + 1]
+            with self._on("save", compute):
+                self.copier.gather(spans[a:b], lengths[a:b], slot.device, at[a:b] - base, slot.table)
+                if self.gpu:
+                    slot.host[:total].copy_(slot.device[:total], non_blocking=True)
+                    slot.event.record()
+            return slot
+
+        queued = queue(0)
+        for k in range(len(cuts) - 1):
+            slot = queued
+            if k + 2 < len(cuts):
+                queued = queue(k + 1)
+            slot.wait()
+            first, end = cuts[k], cuts[k + 1]
+            base = int(page_at[first])
+            yield items[first:end], [slot.host_bytes[o - base:o - base + n]
+                                     for o, n in zip(page_at[first:end].tolist(), sizes[first:end].tolist())]
 
     # -- host -> device ------------------------------------------------------------------------------
     def unpack(self, batch: Sequence[Item], fill: Callable[[np.ndarray, list[int]], list[bool]], index: int = 0) -> list[bool]:

@@ -5,7 +5,7 @@ Two workloads: `all_groups` is every cacheable page of each block (a prefill's s
 checkpoint per block: bytes dominated by the 4 MiB KDA states), `mla_pages` the MLA latent + indexer
 pages only (the bulk of a warm prefix: thousands of small spans, where one copy per span is slow). Each
 is saved from one half of the cache (device -> host) and loaded into the other (host -> device), alone
-and both at once (each on its own stream). Rows: the staged transfer (gather kernel + one copy per
+and both at once (each on its own stream, driven from one thread). Rows: the staged transfer (gather kernel + one copy per
 staging batch), the naive one-copy-per-span path, the raw memcpy of the same byte count. End-to-end rows
 add the memory store (its host-side copy) for context. Without a GPU the same code runs on a host
 buffer (`device: cpu`), which checks the benchmark, not the link."""
@@ -13,7 +13,6 @@ buffer (`device: cpu`), which checks the benchmark, not the link."""
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from contextlib import nullcontext
 
@@ -52,14 +51,6 @@ def _nbytes(items) -> int:
     return sum(g.used_bytes_per_block for _, g, _ in items)
 
 
-def _both(first, second) -> None:
-    """Run two directions at once, each from its own thread (the GIL is released while waiting)."""
-    worker = threading.Thread(target=second)
-    worker.start()
-    first()
-    worker.join()
-
-
 def run(quick: bool = False, preset: str = "pruned-4l", block_size: int = 64, blocks: int = 1024,
         repeats: int = 7, progress=None) -> dict:
     from glm_integration.cache import PagedCache
@@ -92,29 +83,49 @@ def _workload(cache, save_items, load_items, device, repeats) -> dict:
     saver, loader = DeviceTransfer(cache.buffer), DeviceTransfer(cache.buffer)
     raw_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
     raw_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=gpu)
+    raw_host_in = torch.empty(nbytes, dtype=torch.uint8, pin_memory=gpu)
     raw_back = torch.empty(nbytes, dtype=torch.uint8, device=device)
     streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)] if gpu else [None, None]
 
     def on(i):
         return torch.cuda.stream(streams[i]) if gpu else nullcontext()
 
-    def raw_save():
+    def raw_save(sync=True):
         with on(0):
             raw_host.copy_(raw_device, non_blocking=gpu)
-        _sync(device)
+        if sync:
+            _sync(device)
 
-    def raw_load():
+    def raw_load(sync=True):
         with on(1):
-            raw_back.copy_(raw_host, non_blocking=gpu)
-        _sync(device)
+            raw_back.copy_(raw_host_in, non_blocking=gpu)
+        if sync:
+            _sync(device)
+
+    def raw_both():
+        raw_save(sync=False)
+        raw_load()
 
     def staged_save():
         for _ in saver.pack(save_items):
             pass
 
-    def staged_load():
+    def load_batches():
         for i, batch in enumerate(loader.batches(load_items)):
             loader.unpack(batch, lambda host, offsets, n=len(batch): [True] * n, index=i % 2)
+            yield
+
+    def staged_load():
+        for _ in load_batches():
+            pass
+        _sync(device)
+
+    def staged_both():
+        """One thread drives both directions, as an engine's worker does: each load batch is queued
+        between two save batches, so both links stay busy."""
+        live, done = [saver.pack(save_items), load_batches()], object()
+        while live:
+            live = [batches for batches in live if next(batches, done) is not done]
         _sync(device)
 
     spans = [span for _, g, b in save_items for span in page_spans(g, b)]
@@ -129,10 +140,10 @@ def _workload(cache, save_items, load_items, device, repeats) -> dict:
     rows = {
         "raw_memcpy_save_GBps": _median_gbps(raw_save, nbytes, repeats, device),
         "raw_memcpy_load_GBps": _median_gbps(raw_load, nbytes, repeats, device),
-        "raw_memcpy_both_GBps": _median_gbps(lambda: _both(raw_save, raw_load), 2 * nbytes, repeats, device),
+        "raw_memcpy_both_GBps": _median_gbps(raw_both, 2 * nbytes, repeats, device),
         "staged_save_GBps": _median_gbps(staged_save, nbytes, repeats, device),
         "staged_load_GBps": _median_gbps(staged_load, nbytes, repeats, device),
-        "staged_both_GBps": _median_gbps(lambda: _both(staged_save, staged_load), 2 * nbytes, repeats, device),
+        "staged_both_GBps": _median_gbps(staged_both, 2 * nbytes, repeats, device),
         "per_span_save_GBps": _median_gbps(per_span_save, nbytes, max(1, repeats // 2), device),
     }
     store = open_store(f"memory://?capacity={nbytes + (64 << 20)}")

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from glm_integration import kernels
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the fallback is Triton on a GPU, torch elsewhere
 from glm_integration.kernels import torch_ref
 
 
@@ -72,8 +74,8 @@ def test_mla_decode_dispatch_matches_reference(aiter_ops):
                                               (16, 512, torch.float32)])
 def test_mla_decode_shapes_outside_the_kernel_fall_back(aiter_ops, heads, rank, dtype):
     ops, fake = aiter_ops
-    q, latent = torch.randn(heads, 1, rank).to(dtype), torch.randn(40, rank).to(dtype)
-    mask = torch.ones(1, 40, dtype=torch.bool)
+    q, latent = torch.randn(heads, 1, rank).to(DEVICE, dtype), torch.randn(40, rank).to(DEVICE, dtype)
+    mask = torch.ones(1, 40, dtype=torch.bool, device=DEVICE)
     out = ops.absorbed_decode_attention(q, latent, mask, 0.1)
     assert fake.calls["mla_decode_fwd"] == 0
     assert torch.allclose(out.float(), torch_ref.absorbed_decode_attention(q, latent, mask, 0.1).float(), atol=3e-2)
@@ -81,7 +83,7 @@ def test_mla_decode_shapes_outside_the_kernel_fall_back(aiter_ops, heads, rank, 
 
 def test_rms_norm_dispatch_and_fallback(aiter_ops):
     ops, fake = aiter_ops
-    x, w = torch.randn(3, 5, 64).bfloat16(), torch.randn(64).bfloat16()
+    x, w = torch.randn(3, 5, 64).bfloat16().to(DEVICE), torch.randn(64).bfloat16().to(DEVICE)
     assert torch.equal(ops.rms_norm(x, w, 1e-6), torch_ref.rms_norm(x, w, 1e-6))
     assert fake.calls["rms_norm"] == 1
     ops.rms_norm(x.float(), w.float(), 1e-6)  # fp32: not aiter's

@@ -99,3 +99,21 @@ def test_make_transfer_picks_by_device():
         SpanCopier(torch.zeros(64, dtype=torch.uint8), use_triton=True)
     if GPU:
         assert isinstance(make_transfer(torch.zeros(64, dtype=torch.uint8, device="cuda")), DeviceTransfer)
+
+
+@pytest.mark.skipif(not GPU, reason="stream ordering needs a GPU")
+def test_streams_order_saves_after_compute_and_compute_after_loads():
+    paged, _ = _groups()
+    n = paged.used_bytes_per_block
+    buffer = torch.zeros(8 * STRIDE, dtype=torch.uint8, device="cuda")
+    transfer = DeviceTransfer(buffer)
+    store = open_store("memory://?capacity=1MiB&pinned=false")
+    torch.cuda._sleep(100_000_000)  # keep the compute stream busy: a save that does not wait reads zeros
+    buffer.fill_(7)
+    assert transfer.save(store, [(b"written", paged, 1)]) == [True]
+    assert bytes(store.get(b"written")) == b"\x07" * n
+    store.put(b"nines", b"\x09" * n)
+    torch.cuda._sleep(100_000_000)
+    assert transfer.load(store, [(b"nines", paged, 2)]) == [True]
+    seen = buffer[2 * STRIDE:2 * STRIDE + 3000].clone()  # compute after the load must see it
+    assert bool((seen == 9).all())

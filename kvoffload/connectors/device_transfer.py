@@ -76,12 +76,13 @@ class DeviceTransfer:
             slot = self._slots[(direction, index)] = _Slot(max(nbytes, min(self.staging_bytes, 1 << 20)), self.device)
         return slot
 
-    def _on(self, direction: str, compute=None):
-        """Run on the direction's stream, after everything already queued on the compute stream."""
+    def _on(self, direction: str, wait: bool = True):
+        """Run on the direction's stream (after everything already queued on the compute stream)."""
         if not self.gpu:
             return nullcontext()
         stream = self.streams[direction]
-        stream.wait_stream(compute or torch.cuda.current_stream(self.device))
+        if wait:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
         return torch.cuda.stream(stream)
 
     @staticmethod
@@ -137,7 +138,8 @@ class DeviceTransfer:
         spans, lengths, at = spans[order], lengths[order], at[order]
         cuts = self._cuts(sizes)
         span_cuts = np.searchsorted(at, page_at[cuts[:-1]]).tolist() + [len(at)]
-        compute = torch.cuda.current_stream(self.device) if self.gpu else None
+        if self.gpu:  # saved: what compute queued before the first batch was asked for wrote, nothing later
+            self.streams["save"].wait_stream(torch.cuda.current_stream(self.device))
 
         def queue(k: int) -> _Slot:
             first, last = cuts[k], cuts[k + 1] - 1
@@ -145,7 +147,7 @@ class DeviceTransfer:
             total = int(page_at[last] + sizes[last]) - base
             slot = self._slot("save", k % 2, total)
             a, b = span_cuts[k], span_cuts[k + 1]
-            with self._on("save", compute):
+            with self._on("save", wait=False):
                 self.copier.gather(spans[a:b], lengths[a:b], slot.device, at[a:b] - base, slot.table)
                 if self.gpu:
                     slot.host[:total].copy_(slot.device[:total], non_blocking=True)

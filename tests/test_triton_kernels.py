@@ -1,6 +1,7 @@
 """The Triton backend against the torch reference, op by op, at the tiny preset's shapes and at the
 real model's head shapes (pruned-4l / full: KDA 128x128 heads, MLA latent rank 512, 128-wide indexer).
 
+Pool selection must equal the reference exactly (same pools, ties to the lower index).
 Tolerances (max abs error, inputs ~N(0, 1)): fp32 inputs 2e-4 for the KDA recurrence (different
 summation order, chunked closed form vs token-by-token), 1e-4 elsewhere; bf16 inputs 3e-2 (the
 reference rounds intermediates to bf16, the kernels keep fp32 until the output). Runs where a GPU and
@@ -95,11 +96,23 @@ def test_indexer_scores_and_pooled_top_k(ops, tokens, heads, pools):
     _close(ours, theirs, 1e-4 * max(1.0, theirs.abs().max().item()), "indexer scores")
     visible = torch.arange(pools, device="cuda")[None, :] < torch.arange(1, tokens + 1, device="cuda")[:, None] * 4
     k = min(8, pools)
-    chosen = reference.select_pools(ours, visible, k)
-    # away from near-ties the selection is the reference's
+    chosen = ops.select_pools(ours, visible, k)
+    assert torch.equal(chosen, reference.select_pools(ours, visible, k))  # same scores: the same pools
+    # from the reference's own scores, the same pools away from near-ties
     top = theirs.masked_fill(~visible, float("-inf")).sort(dim=-1, descending=True).values
     clear = (top[:, k - 1] - top[:, k]).abs() > 1e-3
     assert torch.equal(chosen[clear], reference.select_pools(theirs, visible, k)[clear])
+
+
+@pytest.mark.parametrize("tokens,pools,k", [(5, 9, 4), (7, 40, 8), (3, 2100, 512), (4, 10, 20)])
+def test_select_pools_is_the_stable_top_k(ops, tokens, pools, k):
+    g = torch.Generator(device="cuda").manual_seed(pools)
+    weights = torch.randn(tokens, 4, 1, device="cuda", generator=g)
+    scores = (weights * torch.relu(torch.randn(tokens, 4, pools, device="cuda", generator=g))).sum(1)
+    scores[:, ::3] = 0.0
+    scores[:, 1::7] = -0.0  # signed zeros tie with zeros, as in the reference's sort
+    visible = torch.rand(tokens, pools, device="cuda", generator=g) < 0.7
+    assert torch.equal(ops.select_pools(scores, visible, k), reference.select_pools(scores, visible, k))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,7 +1,7 @@
 """Triton kernels for the runner's hot ops, one program per independent slice of the work (a head, a
 query, a token-expert pair), so NVIDIA and AMD GPUs run the same source. Importing this module
-registers them as the `triton` backend; ops not here (norms, conv, pooling, top-k selection) keep the
-torch reference, which runs on the GPU as ordinary torch ops.
+registers them as the `triton` backend; ops not here (norms, conv, pooling) keep the torch reference,
+which runs on the GPU as ordinary torch ops.
 
 Accumulation is fp32 throughout and every reduction runs in a fixed order inside one program (no
 atomics, no split reductions), so a query's output depends only on its own inputs: a warm run that
@@ -209,6 +209,58 @@ def indexer_scores(q, weights, pooled, scale):
     return out
 
 
+@triton.jit
+def _order_keys(scores, visible, on, mask):
+    """int64 keys whose order is the scores' order; invisible pools get 0, below every visible one."""
+    bits = tl.load(scores + on, mask=mask, other=0.0).to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    bits = tl.where(bits == 0x80000000, 0, bits)  # -0.0 ties with 0.0, as in the reference's sort
+    key = tl.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits + 0x80000000) + 1
+    seen = tl.load(visible + on, mask=mask, other=0) != 0
+    return tl.where(seen & mask, key, 0)
+
+
+@triton.jit
+def _select_pools_kernel(scores, visible, out, N, K, BN: tl.constexpr):
+    """One row: the K best visible pools, ties to the lower index. A bisection over the 32-bit order
+    keys finds the K-th best key T; every key above T is chosen, then keys equal to T in index order."""
+    t = tl.program_id(0).to(tl.int64)
+    row_s, row_v, row_o = scores + t * N, visible + t * N, out + t * N
+    lo = tl.sum(tl.zeros([BN], tl.int64), 0) + 1  # count(key >= lo) >= K holds for lo = 1 when enough are visible
+    hi = lo + 0xFFFFFFFF + 1
+    for _ in range(33):
+        mid = (lo + hi) // 2
+        count = tl.sum(tl.zeros([BN], tl.int64), 0)
+        for n0 in range(0, N, BN):
+            on = n0 + tl.arange(0, BN)
+            count += tl.sum((_order_keys(row_s, row_v, on, on < N) >= mid).to(tl.int64), 0)
+        big = count >= K
+        lo = tl.where(big, mid, lo)
+        hi = tl.where(big, hi, mid)
+    above = tl.sum(tl.zeros([BN], tl.int64), 0)
+    for n0 in range(0, N, BN):
+        on = n0 + tl.arange(0, BN)
+        above += tl.sum((_order_keys(row_s, row_v, on, on < N) > lo).to(tl.int64), 0)
+    room = K - above  # how many pools tied at the threshold still fit
+    taken = tl.sum(tl.zeros([BN], tl.int64), 0)
+    for n0 in range(0, N, BN):
+        on = n0 + tl.arange(0, BN)
+        key = _order_keys(row_s, row_v, on, on < N)
+        tied = (key == lo).to(tl.int64)
+        rank = taken + tl.cumsum(tied, 0)  # 1-based position among the tied, in index order
+        chosen = (key > lo) | ((key == lo) & (rank <= room))
+        tl.store(row_o + on, (chosen & (key > 0)).to(tl.int8), mask=on < N)
+        taken += tl.sum(tied, 0)
+
+
+def select_pools(scores, visible, k):
+    t, n = scores.shape
+    out = torch.zeros((t, n), dtype=torch.int8, device=scores.device)
+    if t and n:
+        _select_pools_kernel[(t,)](scores.float().contiguous(), visible.to(torch.int8).contiguous(), out, n,
+                                   min(k, n), BN=min(_pow2(n), 1024))
+    return out.bool()
+
+
 # -- MoE: routed experts, token by token ---------------------------------------------------------------
 
 @triton.jit
@@ -271,5 +323,5 @@ def moe_experts(x, weights, indices, gate_up, down, limit):
 
 
 for _name in ("kda_recurrent", "kda_chunked", "masked_attention", "absorbed_decode_attention", "indexer_scores",
-              "moe_experts"):
+              "select_pools", "moe_experts"):
     register("triton", _name, globals()[_name])

@@ -44,10 +44,16 @@ def _bench(args: argparse.Namespace) -> int:
 
     from .bench.common import write_result
 
-    module = importlib.import_module(f"kvoffload.bench.{args.name}")
+    module = importlib.import_module(f"kvoffload.bench.{args.name.replace('-', '_')}")
     result = module.run(quick=args.quick, progress=None if args.json else _progress)
     path = write_result(args.name, result, args.out)
-    print(json.dumps(result, indent=2) if args.json else f"results: {path}")
+    try:
+        from .bench.plots import plot
+
+        figure = plot(result, path) if path else "no plot (no --out directory)"
+    except ImportError:
+        figure = "no plot (matplotlib is not installed: pip install 'kvoffload[bench]')"
+    print(json.dumps(result, indent=2) if args.json else f"results: {path}\nplot: {figure}")
     return 0
 
 
@@ -82,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     ver.add_argument("--quiet", action="store_true", help="no progress output")
     ver.set_defaults(func=_verify)
     bench = sub.add_parser("bench", help="offload benchmarks with same-run baselines (JSON)")
-    bench.add_argument("name", choices=["store", "footprint", "ttft", "transfer"])
+    bench.add_argument("name", choices=["store", "footprint", "ttft", "transfer", "vllm-ttft", "overhead"])
     bench.add_argument("--quick", action="store_true", help="small sizes: checks the benchmark, not the machine")
     bench.add_argument("--out", default="bench/results", help="directory for the JSON result (default bench/results)")
     bench.add_argument("--json", action="store_true", help="print the result JSON instead of progress")

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import subprocess_env
 
 
@@ -11,6 +13,7 @@ def _bench(name, tmp_path):
     out = subprocess.run([sys.executable, "-m", "kvoffload.cli", "bench", name, "--quick", "--out", str(tmp_path)],
                          env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
+    assert (tmp_path / f"{name}-quick.png").stat().st_size > 10_000, "no plot drawn"
     with open(tmp_path / f"{name}-quick.json") as f:
         return json.load(f)
 
@@ -55,3 +58,25 @@ def test_transfer_benchmark_json(tmp_path):
             assert row[key] > 0, key
         assert row["end_to_end"]["memory_store_save_GBps"] > 0 and row["end_to_end"]["memory_store_load_GBps"] > 0
         assert set(row["ratios"]) == {"save_vs_memcpy", "load_vs_memcpy", "both_vs_memcpy", "per_span_save_vs_memcpy"}
+
+
+@pytest.mark.slow
+def test_vllm_ttft_benchmark_json(tmp_path):
+    """Four vLLM engine processes; the run itself asserts that warm first tokens equal cold ones."""
+    result = _bench("vllm-ttft", tmp_path)
+    assert result["configs"] == ["none", "kvoffload_memory", "kvoffload_lmdb", "example_connector"]
+    (row,) = result["results"]
+    assert row["prefix_tokens"] == 128 and row["none_cold_ms"] > 0
+    assert row["none_warm_cached_tokens"] == 0  # no connector: nothing survives the prefix-cache reset
+    for name in ("kvoffload_memory", "kvoffload_lmdb", "example_connector"):
+        assert row[f"{name}_warm_cached_tokens"] == 128, name  # the warm prefix came from the connector
+        assert row[f"{name}_warm_ms"] > 0 and row[f"{name}_speedup"] > 0
+
+
+@pytest.mark.slow
+def test_overhead_benchmark_json(tmp_path):
+    result = _bench("overhead", tmp_path)
+    assert set(result["results"]) == {"none", "kvoffload_memory", "kvoffload_lmdb"}
+    for row in result["results"].values():
+        assert row["step_ms"] > 0 and row["steps_per_batch"] >= result["workload"]["max_tokens"]
+    assert set(result["overhead_percent"]) == {"kvoffload_memory", "kvoffload_lmdb"}

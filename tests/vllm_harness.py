@@ -99,57 +99,16 @@ _COUNTERS = (
 # --------------------------------------------------------------------------------------------
 
 
-def _save_model(model_cls, config, out_dir: str, dtype, seed: int) -> str:
-    import torch
-
-    os.makedirs(out_dir, exist_ok=True)
-    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG state alone
-        torch.manual_seed(seed)
-        model = model_cls(config).to(dtype)
-        model.save_pretrained(out_dir)
-    return out_dir
-
-
 def tiny_llama(dir: str, *, seed: int = 0, **overrides: Any) -> str:
-    """Write a random-weight float32 ``LlamaForCausalLM`` (seeded) to ``dir``; returns ``dir``."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from kvoffload.bench.vllm_models import tiny_llama as build
 
-    cfg = dict(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32,  # CPU attention: head >= 32
-        max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
-        tie_word_embeddings=False,
-        initializer_range=0.1,  # larger than default: well-separated logits, robust greedy argmax
-    )
-    cfg.update(overrides)
-    return _save_model(LlamaForCausalLM, LlamaConfig(**cfg), dir, torch.float32, seed)
+    return build(dir, seed=seed, **overrides)
 
 
 def tiny_qwen3_next(dir: str, *, seed: int = 0, **overrides: Any) -> str:
-    """Write a random-weight bf16 ``Qwen3NextForCausalLM`` (seeded) to ``dir``; returns ``dir``.
+    from kvoffload.bench.vllm_models import tiny_qwen3_next as build
 
-    Hybrid: layer 0 gated-delta-net linear attention (MambaSpec group), layer 1 full attention
-    (FullAttentionSpec group); both MoE.  CPU constraints: bf16 (the CPU GDN op asserts it) and
-    ``linear_key_head_dim == linear_value_head_dim == 128`` (``chunk_gated_delta_rule_cpu``: key dim
-    128, and "expect head_dim to be equal to head_dim_v").  Run it with ``dtype="bfloat16"``.
-    """
-    import torch
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-
-    cfg = dict(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        layer_types=["linear_attention", "full_attention"],
-        num_attention_heads=4, num_key_value_heads=4, head_dim=128,
-        max_position_embeddings=2048,
-        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
-        linear_num_key_heads=1, linear_num_value_heads=1,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-        shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[],
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, initializer_range=0.1,
-    )
-    cfg.update(overrides)
-    return _save_model(Qwen3NextForCausalLM, Qwen3NextConfig(**cfg), dir, torch.bfloat16, seed)
+    return build(dir, seed=seed, **overrides)
 
 
 # --------------------------------------------------------------------------------------------

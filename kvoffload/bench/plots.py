@@ -1,0 +1,104 @@
+"""One figure per benchmark result (PNG beside its JSON), drawn with matplotlib without a display."""
+
+from __future__ import annotations
+
+import os
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=110)
+    return plt, fig, ax
+
+
+def _bars(ax, labels, series: dict[str, list[float]]):
+    width = 0.8 / len(series)
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar([x + i * width - 0.4 + width / 2 for x in range(len(labels))], values, width, label=name)
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+
+
+def _store(ax, result):
+    sizes = [r["value_bytes"] / 1024 for r in result["results"]]
+    for key, label in (("memcpy_GBps", "memcpy"), ("memory_get_GBps", "memory get"),
+                       ("raw_write_fsync_GBps", "raw write+fsync"), ("lmdb_put_GBps", "LMDB put"),
+                       ("raw_read_GBps", "raw read"), ("lmdb_get_GBps", "LMDB get")):
+        ax.plot(sizes, [r[key] for r in result["results"]], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="value size (KiB)", ylabel="GB/s", title="Store throughput vs same-run baselines")
+
+
+def _footprint(ax, result):
+    rows = result["results"]
+    _bars(ax, [f"{r['preset']} TP{r['tp']}" for r in rows],
+          {"kvoffload (used bytes of cacheable groups)": [r["stored_bytes_per_token_per_rank"] for r in rows],
+           "whole packed block per group key": [r["whole_packed_block_per_group_key_bytes_per_token"] for r in rows]})
+    ax.set_yscale("log")
+    ax.set(ylabel="bytes stored per token per rank", title="Footprint per cached token")
+
+
+def _ttft(ax, result):
+    rows = result["results"]
+    x = [r["prefix_tokens"] for r in rows]
+    for key, label in (("cold_ms", "cold prefill"), ("warm_memory_ms", "warm from memory"),
+                       ("warm_lmdb_ms", "warm from LMDB")):
+        ax.plot(x, [r[key] for r in rows], marker="o", label=label)
+    ax.set(xlabel="prefix tokens", ylabel="ms", title="Bundled runner: time to first token", yscale="log")
+
+
+def _vllm_ttft(ax, result):
+    rows = result["results"]
+    series = {"no connector (cold)": [r["none_cold_ms"] for r in rows]}
+    for name in result["configs"]:
+        if name != "none":
+            series[f"{name} warm"] = [r[f"{name}_warm_ms"] for r in rows]
+    _bars(ax, [str(r["prefix_tokens"]) for r in rows], series)
+    ax.set(xlabel="prefix tokens", ylabel="ms", title="vLLM CPU engine: time to first token")
+
+
+def _overhead(ax, result):
+    names = list(result["results"])
+    _bars(ax, names, {"mean step ms": [result["results"][n]["step_ms"] for n in names]})
+    ax.set(ylabel="ms per engine step", title="Connector cost with no hits (vLLM CPU engine)")
+
+
+def _transfer(ax, result):
+    labels, series = [], {"raw pinned memcpy": [], "staged (kvoffload)": []}
+    for workload, row in result["results"].items():
+        for direction in ("save", "load", "both"):
+            labels.append(f"{workload}\n{direction}")
+            series["raw pinned memcpy"].append(row[f"raw_memcpy_{direction}_GBps"])
+            series["staged (kvoffload)"].append(row[f"staged_{direction}_GBps"])
+    _bars(ax, labels, series)
+    ax.set(ylabel="GB/s", title=f"Device <-> host pages ({result['machine'].get('device', '')})")
+
+
+DRAW = {"store": _store, "footprint": _footprint, "ttft": _ttft, "vllm-ttft": _vllm_ttft, "overhead": _overhead,
+        "transfer": _transfer}
+
+
+def plot(result: dict, json_path: str) -> str:
+    """Draw `result` next to its JSON file; returns the PNG's path."""
+    plt, fig, ax = _figure()
+    DRAW[result["benchmark"]](ax, result)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = os.path.splitext(json_path)[0] + ".png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":  # redraw figures from saved results: python -m kvoffload.bench.plots FILE.json...
+    import json
+    import sys
+
+    for name in sys.argv[1:]:
+        with open(name) as f:
+            print(plot(json.load(f), name))

@@ -10,6 +10,10 @@ import sys
 from .store import StoreConfigError, open_store
 
 
+BENCHMARKS = {"store": "store", "footprint": "footprint", "ttft": "ttft", "transfer": "transfer",
+              "vllm-ttft": "vllm_ttft", "overhead": "overhead", "redis": "redis_tier"}  # name -> kvoffload.bench module
+
+
 def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -34,7 +38,8 @@ def _verify(args: argparse.Namespace) -> int:
     from .verify import verify
 
     report = verify(args.store, model_dir=args.model, preset=args.preset, prompts_file=args.prompts,
-                    restart=args.restart, block_size=args.block_size, max_tokens=args.max_tokens,
+                    restart=args.restart, separate=args.separate, block_size=args.block_size,
+                    max_tokens=args.max_tokens,
                     progress=None if args.quiet else _progress, device=args.device, kernels=args.kernels)
     return _print_report(report, args.json)
 
@@ -44,7 +49,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     from .bench.common import write_result
 
-    module = importlib.import_module(f"kvoffload.bench.{args.name.replace('-', '_')}")
+    module = importlib.import_module(f"kvoffload.bench.{BENCHMARKS[args.name]}")
     result = module.run(quick=args.quick, progress=None if args.json else _progress)
     path = write_result(args.name, result, args.out)
     try:
@@ -71,13 +76,16 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--json", action="store_true", help="print the report as JSON")
     demo.set_defaults(func=_demo)
     ver = sub.add_parser("verify", help="prove cold == warm on the bundled runner; exit 0 only if all equal")
-    ver.add_argument("--store", default="memory://?capacity=1GiB", help="memory://, lmdb:// or tiered:// URL")
+    ver.add_argument("--store", default="memory://?capacity=1GiB", help="memory://, lmdb://, redis:// or tiered:// URL")
     source = ver.add_mutually_exclusive_group()
     source.add_argument("--preset", default="tiny", help="a runner preset, checkpoint written once (default tiny)")
     source.add_argument("--model", help="a GLM-5.3-Flash checkpoint directory")
     ver.add_argument("--prompts", help="file with one prompt per line, space-separated token ids "
                                        "(default: the built-in edge cases)")
-    ver.add_argument("--restart", action="store_true", help="run the warm phase in a new process")
+    mode = ver.add_mutually_exclusive_group()
+    mode.add_argument("--restart", action="store_true", help="run the warm phase in a new process")
+    mode.add_argument("--separate", action="store_true", help="run cold and warm each in a new process: two "
+                      "independent runners sharing only the store (e.g. redis://)")
     ver.add_argument("--device", default="cpu", help="cpu or cuda[:N] (NVIDIA or ROCm GPU; default cpu)")
     ver.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton", "aiter"],
                      help="runner kernel backend (auto: triton on a GPU, torch on the CPU)")
@@ -88,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ver.add_argument("--quiet", action="store_true", help="no progress output")
     ver.set_defaults(func=_verify)
     bench = sub.add_parser("bench", help="offload benchmarks with same-run baselines (JSON)")
-    bench.add_argument("name", choices=["store", "footprint", "ttft", "transfer", "vllm-ttft", "overhead"])
+    bench.add_argument("name", choices=list(BENCHMARKS))
     bench.add_argument("--quick", action="store_true", help="small sizes: checks the benchmark, not the machine")
     bench.add_argument("--out", default="bench/results", help="directory for the JSON result (default bench/results)")
     bench.add_argument("--json", action="store_true", help="print the result JSON instead of progress")

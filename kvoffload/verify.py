@@ -25,6 +25,7 @@ from .connectors.plan import max_hit_blocks, pages_for_load
 from .connectors.runner import RunnerConnector
 from .spec import GroupKind
 from .store import StoreConfigError, open_store, parse_url
+from .store.url import redact_url
 
 
 def builtin_cases(config, block_size: int) -> list[tuple[str, list[list[int]]]]:
@@ -244,12 +245,16 @@ def compare(cases, cold: PhaseResult, warm: PhaseResult, layout, block_size: int
 
 
 def verify(store_url: str, *, model_dir: str | None = None, preset: str = "tiny", prompts_file: str | None = None,
-           restart: bool = False, block_size: int = 16, max_tokens: int = 8, progress=None, device: str = "cpu",
-           kernels: str = "auto") -> dict:
+           restart: bool = False, separate: bool = False, block_size: int = 16, max_tokens: int = 8, progress=None,
+           device: str = "cpu", kernels: str = "auto") -> dict:
+    """`restart`: the warm phase runs in a new process. `separate`: the cold and the warm phase each run
+    in a new process of their own, two independent runners sharing nothing but the store (a shared
+    tier such as redis:// serving another instance)."""
     progress = progress or (lambda message: None)
     device = _check_device(device)
-    if restart and parse_url(store_url).scheme == "memory":
-        raise StoreConfigError("memory:// does not survive a restart: use lmdb:// or tiered:// with --restart")
+    if (restart or separate) and parse_url(store_url).scheme == "memory":
+        raise StoreConfigError("memory:// lives in one process: use lmdb://, redis:// or tiered:// with "
+                               "--restart or --separate")
     model_dir = model_dir or default_model_dir(preset)
     from glm_integration.cache import PagedCache
     from glm_integration.config import GlmConfig
@@ -262,18 +267,28 @@ def verify(store_url: str, *, model_dir: str | None = None, preset: str = "tiny"
     from glm_integration.kernels import backend_for
 
     run = {"device": device, "kernels": kernels}
-    with open_store(store_url, fingerprint=layout.fingerprint) as store:
-        progress(f"[verify] cold run of {sum(len(p) for _, p in cases)} prompts on {device} "
-                 f"({backend_for(device, kernels)} kernels) -> {store_url}")
-        cold = run_phase(model_dir, store, namespace, cases, block_size, max_tokens, progress=progress, **run)
-        if not restart:
-            progress("[verify] device cache dropped; warm run")
-            warm = run_phase(model_dir, store, namespace, cases, block_size, max_tokens, progress=progress, **run)
-    if restart:
-        progress("[verify] device cache dropped, process restarted; warm run")
-        warm = _warm_in_new_process(model_dir, store_url, namespace, cases, block_size, max_tokens, run)
+    phase = (model_dir, store_url, namespace, cases, block_size, max_tokens, run)
+    shown = redact_url(store_url)
+    started = (f"[verify] cold run of {sum(len(p) for _, p in cases)} prompts on {device} "
+               f"({backend_for(device, kernels)} kernels) -> {shown}")
+    if separate:
+        progress(started + ", in a new process")
+        cold = _phase_in_new_process(*phase)
+        progress("[verify] warm run in another new process (an independent runner sharing only the store)")
+        warm = _phase_in_new_process(*phase)
+    else:
+        with open_store(store_url, fingerprint=layout.fingerprint) as store:
+            progress(started)
+            cold = run_phase(model_dir, store, namespace, cases, block_size, max_tokens, progress=progress, **run)
+            if not restart:
+                progress("[verify] device cache dropped; warm run")
+                warm = run_phase(model_dir, store, namespace, cases, block_size, max_tokens, progress=progress, **run)
+        if restart:
+            progress("[verify] device cache dropped, process restarted; warm run")
+            warm = _phase_in_new_process(*phase)
     report = compare(cases, cold, warm, layout, block_size, namespace)
-    report.update({"store": store_url, "restart": restart, "model": model_dir, "block_size": block_size,
+    report.update({"store": shown, "restart": restart, "separate": separate, "model": model_dir,
+                   "block_size": block_size,
                    "max_tokens": max_tokens, "device": device, "kernels": backend_for(device, kernels),
                    "counters": {"cold": cold.counters, "warm": warm.counters}})
     return report
@@ -287,7 +302,7 @@ def _check_device(device: str) -> str:
     return device
 
 
-def _warm_in_new_process(model_dir, store_url, namespace, cases, block_size, max_tokens, run) -> PhaseResult:
+def _phase_in_new_process(model_dir, store_url, namespace, cases, block_size, max_tokens, run) -> PhaseResult:
     with tempfile.TemporaryDirectory() as tmp:
         spec, out = os.path.join(tmp, "phase.json"), os.path.join(tmp, "result.json")
         with open(spec, "w") as f:
@@ -295,12 +310,12 @@ def _warm_in_new_process(model_dir, store_url, namespace, cases, block_size, max
                        "block_size": block_size, "max_tokens": max_tokens, **run}, f)
         proc = subprocess.run([sys.executable, "-m", "kvoffload.verify", spec, out])  # progress on stderr
         if proc.returncode != 0:
-            raise RuntimeError(f"the warm process failed with exit status {proc.returncode}")
+            raise RuntimeError(f"the phase's process failed with exit status {proc.returncode}")
         with open(out) as f:
             return PhaseResult(**json.load(f))
 
 
-def _warm_phase_main(spec_path: str, out_path: str) -> int:
+def _phase_main(spec_path: str, out_path: str) -> int:
     with open(spec_path) as f:
         spec = json.load(f)
     started = time.perf_counter()
@@ -308,11 +323,11 @@ def _warm_phase_main(spec_path: str, out_path: str) -> int:
                        [(name, prompts) for name, prompts in spec["cases"]], spec["block_size"], spec["max_tokens"],
                        progress=lambda message: print(message, file=sys.stderr, flush=True),
                        device=spec["device"], kernels=spec["kernels"])
-    result.counters["warm_process_seconds"] = int(time.perf_counter() - started)
+    result.counters["process_seconds"] = int(time.perf_counter() - started)
     with open(out_path, "w") as f:
         json.dump(asdict(result), f)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(_warm_phase_main(*sys.argv[1:3]))
+    sys.exit(_phase_main(*sys.argv[1:3]))

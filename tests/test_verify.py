@@ -50,8 +50,9 @@ def test_verify_on_the_gpu(tmp_path, tiny_checkpoint, tier, restart):
 def test_memory_store_cannot_verify_a_restart(tiny_checkpoint):
     from kvoffload.store import StoreConfigError
 
-    with pytest.raises(StoreConfigError, match="does not survive a restart"):
-        verify("memory://", model_dir=tiny_checkpoint, restart=True)
+    for mode in ({"restart": True}, {"separate": True}):
+        with pytest.raises(StoreConfigError, match="lives in one process"):
+            verify("memory://", model_dir=tiny_checkpoint, **mode)
 
 
 def test_bytes_stored_are_the_cacheable_groups_used_bytes(tmp_path, tiny_checkpoint):

@@ -146,3 +146,20 @@ def test_vllm_serve_with_the_flag(llama_dir, tmp_path):
     assert vh.metric_sum(metrics, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") >= 96
     assert vh.metric_sum(metrics, "vllm:kvoffload_loaded_pages_total") > 0
     assert proc.poll() is not None
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    from kvoffload.bench.redis_server import Server
+
+    server = Server(str(tmp_path))
+    yield server
+    server.stop()
+
+
+def test_shared_redis_tier_across_engine_processes(qwen_dir, redis_server):
+    """Two engine processes (two serving instances) with their own memory tier in front of one Redis:
+    the second serves the hybrid model's prefix, attention pages and mamba state, from Redis."""
+    url = f"tiered://?memory=128MiB&redis=redis://{redis_server.address}/0"
+    cold, warm = vh.run_restart(qwen_dir, connector(url), [[LONG]] * 2, dtype="bfloat16", block_size=BLOCK)
+    _assert_served(cold, warm)

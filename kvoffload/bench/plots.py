@@ -77,8 +77,16 @@ def _transfer(ax, result):
     ax.set(ylabel="GB/s", title=f"Device <-> host pages ({result['machine'].get('device', '')})")
 
 
+def _redis(ax, result):
+    rows = result["results"]
+    _bars(ax, [f"{r['value_KiB']} KiB" for r in rows],
+          {"raw SET": [r["raw_set_GBps"] for r in rows], "kvoffload save": [r["save_GBps"] for r in rows],
+           "raw GET": [r["raw_get_GBps"] for r in rows], "kvoffload load": [r["load_GBps"] for r in rows]})
+    ax.set(ylabel="GB/s", title="Redis tier vs raw SET/GET through the same client")
+
+
 DRAW = {"store": _store, "footprint": _footprint, "ttft": _ttft, "vllm-ttft": _vllm_ttft, "overhead": _overhead,
-        "transfer": _transfer}
+        "transfer": _transfer, "redis": _redis}
 
 
 def plot(result: dict, json_path: str) -> str:

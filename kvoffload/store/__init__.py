@@ -1,8 +1,9 @@
-"""WHERE bytes live: `open_store(url)` returns a `Store` for one of three tiers.
+"""WHERE bytes live: `open_store(url)` returns a `Store` for one of these tiers.
 
     memory://?capacity=4GiB[&pinned=auto|true|false]
     lmdb:///abs/dir?capacity=100GiB
-    tiered://?memory=4GiB&lmdb=/abs/dir&lmdb_capacity=100GiB
+    redis://[user:password@]host:port/db?namespace=...   (rediss:// TLS; redis+cluster://h:p,h:p/ a cluster)
+    tiered://?memory=4GiB&lmdb=/abs/dir&lmdb_capacity=100GiB[&redis=<redis URL, %-encoded if it has a query>]
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from .errors import EntryTooLargeError, IncompatibleStoreError, StoreConfigError
 from .lmdb_store import LMDBStore
 from .memory import MemoryStore
 from .tiered import TieredStore
-from .url import parse_bool, parse_size, parse_url
+from .url import parse_bool, parse_size, parse_url, redact_url
 
+REDIS_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
 DEFAULT_MEMORY_CAPACITY = "4GiB"
 DEFAULT_LMDB_CAPACITY = "100GiB"
 
@@ -45,16 +47,32 @@ def open_store(url: str, *, fingerprint: bytes | str | None = None) -> Store:
             raise StoreConfigError(f"lmdb:// needs an absolute directory, e.g. lmdb:///var/cache/kvoffload ({url!r})")
         capacity = parse_size(opts.get("capacity", DEFAULT_LMDB_CAPACITY), "lmdb capacity")
         return LMDBStore(parsed.path, capacity, fingerprint=fingerprint, url=url)
+    if parsed.scheme in REDIS_SCHEMES:
+        from .redis_store import RedisStore
+
+        return RedisStore(url, fingerprint=fingerprint)
     if parsed.scheme == "tiered":
-        opts = parsed.take({"memory", "lmdb", "lmdb_capacity", "pinned"})
-        if "lmdb" not in opts:
-            raise StoreConfigError(f"tiered:// needs lmdb=/abs/dir (and optionally memory=, lmdb_capacity=): {url!r}")
-        front = MemoryStore(parse_size(opts.get("memory", DEFAULT_MEMORY_CAPACITY), "memory capacity"),
-                            pinned=_pinned(opts.get("pinned")))
-        back = LMDBStore(opts["lmdb"], parse_size(opts.get("lmdb_capacity", DEFAULT_LMDB_CAPACITY), "lmdb_capacity"),
-                         fingerprint=fingerprint)
-        return TieredStore(front, back, url=url)
-    raise StoreConfigError(f"unknown store scheme {parsed.scheme!r} in {url!r}: use memory://, lmdb:// or tiered://")
+        return _tiered(url, parsed.take({"memory", "lmdb", "lmdb_capacity", "pinned", "redis"}), fingerprint)
+    raise StoreConfigError(f"unknown store scheme {parsed.scheme!r} in {url!r}: use memory://, lmdb://, redis:// "
+                           "(rediss://, redis+cluster://) or tiered://")
+
+
+def _tiered(url: str, opts: dict[str, str], fingerprint) -> Store:
+    """Memory in front of LMDB, of Redis, or of LMDB in front of Redis (Redis is then the shared last tier)."""
+    if "lmdb" not in opts and "redis" not in opts:
+        raise StoreConfigError(f"tiered:// needs lmdb=/abs/dir and/or redis=<URL> (and optionally memory=): {url!r}")
+    front = MemoryStore(parse_size(opts.get("memory", DEFAULT_MEMORY_CAPACITY), "memory capacity"),
+                        pinned=_pinned(opts.get("pinned")))
+    backs = []
+    if "lmdb" in opts:
+        backs.append(LMDBStore(opts["lmdb"], parse_size(opts.get("lmdb_capacity", DEFAULT_LMDB_CAPACITY),
+                                                        "lmdb_capacity"), fingerprint=fingerprint))
+    if "redis" in opts:
+        if parse_url(opts["redis"]).scheme not in REDIS_SCHEMES:
+            raise StoreConfigError(f"tiered:// redis= takes a redis://, rediss:// or redis+cluster:// URL: {url!r}")
+        backs.append(open_store(opts["redis"], fingerprint=fingerprint))
+    back = backs[0] if len(backs) == 1 else TieredStore(backs[0], backs[1])
+    return TieredStore(front, back, url=redact_url(url))
 
 
 _shared: dict[str, Store] = {}
@@ -77,6 +95,9 @@ def shared_store(url: str, *, fingerprint: bytes | str | None = None) -> Store:
 def _adopt_fingerprint(store: Store, fingerprint) -> None:
     from .entry import normalize_fingerprint
 
-    for tier in (store, getattr(store, "back", None)):
-        if tier is not None and hasattr(tier, "fingerprint") and not any(tier.fingerprint):
+    tiers = [store]
+    while tiers:
+        tier = tiers.pop()
+        if hasattr(tier, "fingerprint") and not any(tier.fingerprint):
             tier.fingerprint = normalize_fingerprint(fingerprint)
+        tiers += [t for t in (getattr(tier, "front", None), getattr(tier, "back", None)) if t is not None]

@@ -72,3 +72,9 @@ def parse_url(url: str) -> StoreURL:
         options[name] = value
     path = unquote(parts.netloc + parts.path)
     return StoreURL(parts.scheme.lower(), path, options)
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced by ***, for logs and reports (nested URLs included)."""
+    return re.sub(r"(://[^/@?&,:]*:)[^@/?&]*@", r"\1***@", re.sub(r"(%3A%2F%2F[^%@?&]*%3A)[^@?&]*?(%40|@)",
+                                                             r"\1***\2", url, flags=re.I))

@@ -1,0 +1,282 @@
+"""A tier shared by many hosts: Redis, standalone or Cluster (sharding, failover), through redis-py.
+
+    redis://[user:password@]host:port/db?capacity=...&namespace=...&timeout=2
+    rediss://...                                   TLS (ssl_ca_certs=, ssl_certfile=, ssl_keyfile=,
+                                                   ssl_cert_reqs=required|optional|none, passed through)
+    redis+cluster://[user:password@]host:port,host:port/?...   seed nodes of a Redis Cluster
+    rediss+cluster://...                           the same over TLS
+
+Keys: `kvoffload:<namespace>:<layout fingerprint hex>:` + the page key, so every model layout (and TP
+rank: the fingerprint covers it) has its own key space and a flush of one namespace spares the others.
+Values carry the same header as LMDB entries (format version, fingerprint, length, xxh3-128 checksum),
+verified on every read; nothing is ever unpickled. Writes go out in pipelined batches of bounded bytes,
+reads fetch many keys per round trip.
+
+Capacity is the server's: `maxmemory` with an LRU or LFU eviction policy; without one the store warns
+at start-up (unbounded growth is an operator error). A wrong password or an unreachable server is a
+clear start-up error; at run time a node down, a timeout or a resharding in progress is a counted miss
+and a failed write is dropped and counted: never a crash, never wrong bytes."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from urllib.parse import unquote, urlsplit
+
+from . import entry
+from .base import Store
+from .buffers import Buffer
+from .errors import StoreConfigError
+from .url import parse_size, parse_url, redact_url
+
+log = logging.getLogger(__name__)
+
+OPTIONS = {"capacity", "namespace", "timeout", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs"}
+DEFAULT_CAPACITY = "1TiB"  # what the store reports when the server sets no maxmemory
+PIPELINE_BYTES = 64 << 20  # one pipelined write batch
+NODE_RETRY_SECONDS = 5.0  # a cluster node that failed is skipped this long
+
+
+def _redis():
+    try:
+        import redis
+    except ImportError as exc:  # pragma: no cover - the extra is part of every install we make
+        raise StoreConfigError("redis:// needs the redis client: pip install 'kvoffload[redis]'") from exc
+    return redis
+
+
+class RedisStore(Store):
+    def __init__(self, url: str, fingerprint: bytes | str | None = None):
+        super().__init__()
+        self.url = redact_url(url)  # what logs and stats show: never the password
+        self.fingerprint = entry.normalize_fingerprint(fingerprint)
+        self._count(checksum_failures=0, read_errors=0, write_errors=0)
+        self._down_until: dict[str, float] = {}
+        self._refreshed = 0.0
+        redis = _redis()
+        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+                        redis.exceptions.ResponseError, redis.exceptions.ClusterError, OSError)
+        parts = urlsplit(url)
+        scheme = parts.scheme.lower()
+        options = parse_url(url).take(OPTIONS)
+        self.cluster = scheme.endswith("+cluster")
+        self.namespace = options.pop("namespace", "default")
+        kwargs = self._client_options(parts, scheme, options)  # parts of the full URL: credentials included
+        self.client = self._connect(redis, parts, kwargs)
+        self.prefix = f"kvoffload:{self.namespace}:".encode()
+        self.capacity = self._capacity(options.get("capacity"))
+
+    # -- start-up ------------------------------------------------------------------------------------
+    @staticmethod
+    def _client_options(parts, scheme: str, options: dict[str, str]) -> dict:
+        kwargs = {"socket_timeout": float(options.pop("timeout", "2")), "socket_connect_timeout": 2.0}
+        if parts.username:
+            kwargs["username"] = unquote(parts.username)
+        if parts.password:
+            kwargs["password"] = unquote(parts.password)
+        tls = {k: v for k, v in options.items() if k.startswith("ssl_")}
+        if scheme.startswith("rediss"):
+            kwargs["ssl"] = True
+            kwargs.update(tls)
+            if "ssl_cert_reqs" in tls and tls["ssl_cert_reqs"] not in ("required", "optional", "none"):
+                raise StoreConfigError("ssl_cert_reqs must be required, optional or none")
+        elif tls:
+            raise StoreConfigError(f"{', '.join(sorted(tls))}: TLS options need rediss:// (or rediss+cluster://)")
+        return kwargs
+
+    def _connect(self, redis, parts, kwargs: dict):
+        hosts = [h for h in (parts.netloc.rpartition("@")[2]).split(",") if h]
+        if not hosts:
+            raise StoreConfigError(f"{self.url}: name at least one host:port")
+        try:
+            nodes = [(h.rpartition(":")[0] or h, int(h.rpartition(":")[2]) if ":" in h else 6379) for h in hosts]
+        except ValueError:
+            raise StoreConfigError(f"{self.url}: hosts are host:port") from None
+        where = ", ".join(f"{h}:{p}" for h, p in nodes)
+        try:
+            if self.cluster:
+                from redis.cluster import ClusterNode, RedisCluster
+
+                client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes],
+                                      require_full_coverage=False, **kwargs)
+            else:
+                if len(nodes) > 1:
+                    raise StoreConfigError(f"{self.url}: several hosts need redis+cluster://")
+                db = parts.path.strip("/") or "0"
+                if not db.isdigit():
+                    raise StoreConfigError(f"{self.url}: the path is a database number, got {db!r}")
+                client = redis.Redis(host=nodes[0][0], port=nodes[0][1], db=int(db), **kwargs)
+            client.ping()
+        except redis.exceptions.AuthenticationError as exc:
+            raise StoreConfigError(f"Redis at {where} refused the credentials in the URL: {exc}") from None
+        except redis.exceptions.ResponseError as exc:
+            if "WRONGPASS" in str(exc) or "NOAUTH" in str(exc) or "NOPERM" in str(exc):
+                raise StoreConfigError(f"Redis at {where} refused the credentials in the URL: {exc}") from None
+            raise StoreConfigError(f"Redis at {where}: {exc}") from None
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.RedisClusterException,
+                OSError) as exc:
+            raise StoreConfigError(f"cannot reach Redis at {where}: {exc}") from None
+        return client
+
+    def _capacity(self, declared: str | None) -> int:
+        """The declared capacity, else the servers' maxmemory; warn when nothing bounds growth."""
+        limits, policies = [], set()
+        try:
+            for config in self._per_node(lambda c: c.config_get("maxmemory*")):
+                limits.append(int(config.get("maxmemory", 0)))
+                policies.add(config.get("maxmemory-policy", ""))
+        except self._errors as exc:
+            log.warning("Redis store %s: cannot read the server's maxmemory settings (%s); make sure it "
+                        "evicts with an LRU policy", self.url, exc)
+            limits = []
+        if limits and (0 in limits or not all(("lru" in p or "lfu" in p) for p in policies)):
+            log.warning("Redis store %s: the server has %s and policy %s: it will grow without bound or refuse "
+                        "writes when full; set maxmemory and maxmemory-policy allkeys-lru", self.url,
+                        "no maxmemory" if 0 in limits else f"maxmemory {sum(limits)}", "/".join(sorted(policies)))
+        if declared:
+            return parse_size(declared, "redis capacity")
+        return sum(limits) if limits and 0 not in limits else parse_size(DEFAULT_CAPACITY)
+
+    def _per_node(self, fn):
+        """fn(client) on the server, or on every primary of a cluster."""
+        if self.cluster:
+            return [fn(self.client.get_redis_connection(node)) for node in self.client.get_primaries()]
+        return [fn(self.client)]
+
+    def _route(self, keys: Sequence[bytes]) -> tuple[list[tuple[str, object, list[int]]], int]:
+        """(node name, its client, indices of `keys`) per node owning some of them, and how many keys
+        have no usable node. A node that failed within the last seconds is skipped (its keys are
+        misses) instead of costing a timeout per call."""
+        if not self.cluster:
+            return [("", self.client, list(range(len(keys))))], 0
+        groups: dict[str, tuple[object, list[int]]] = {}
+        unrouted = 0
+        for i, key in enumerate(keys):
+            try:
+                node = self.client.nodes_manager.get_node_from_slot(self.client.keyslot(key))
+            except self._errors:  # the slot is not covered (its node is gone, a reshard is under way)
+                unrouted += 1
+                continue
+            if self._down_until.get(node.name, 0.0) > time.monotonic():
+                unrouted += 1
+                continue
+            groups.setdefault(node.name, (node, []))[1].append(i)
+        return [(name, self.client.get_redis_connection(node), idx) for name, (node, idx) in groups.items()], unrouted
+
+    def _pipelined(self, keys: Sequence[bytes], command, what: str) -> list:
+        """Run `command(pipe, key)` for every key, one pipeline per node; None where a node, a timeout
+        or a moved slot failed (each such key counted as `what`)."""
+        results: list = [None] * len(keys)
+        moved = False
+        routes, unrouted = self._route(keys)
+        if unrouted:
+            self._count(**{what: unrouted})
+        for name, client, indices in routes:
+            pipe = client.pipeline(transaction=False)
+            for i in indices:
+                command(pipe, i, keys[i])
+            try:
+                answers = pipe.execute(raise_on_error=False)
+            except self._errors as exc:
+                log.warning("Redis store %s: %s on %s failed (%s); %d keys missed", self.url, what, name or "the server",
+                            exc, len(indices))
+                self._count(**{what: len(indices)})
+                if name:
+                    self._down_until[name] = time.monotonic() + NODE_RETRY_SECONDS
+                continue
+            for i, answer in zip(indices, answers):
+                if isinstance(answer, Exception):
+                    moved |= "MOVED" in str(answer) or "ASK" in str(answer)
+                    self._count(**{what: 1})
+                else:
+                    results[i] = answer
+        if self.cluster and (moved or None in results):
+            self._refresh_slots()
+        return results
+
+    def _refresh_slots(self) -> None:
+        """Reload the slot map (after a reshard or a failover); best effort, at most once a second."""
+        if time.monotonic() - self._refreshed < 1.0:
+            return
+        self._refreshed = time.monotonic()
+        try:
+            self.client.nodes_manager.initialize()
+        except Exception as exc:  # noqa: BLE001 - any failure leaves the old map in place
+            log.info("Redis store %s: slot map not refreshed (%s)", self.url, exc)
+
+    def _key(self, key: bytes) -> bytes:
+        return self.prefix + self.fingerprint.hex().encode() + b":" + key  # the fingerprint may be adopted later
+
+    # -- the Store primitives --------------------------------------------------------------------------
+    def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
+        views = self._views(items, overhead=entry.HEADER_BYTES)
+        written = [False] * len(views)
+        batch, size = [], 0
+        for i, (key, view) in enumerate(views):
+            batch.append(i)
+            size += view.nbytes
+            if size >= PIPELINE_BYTES or i == len(views) - 1:
+                self._write(views, batch, written)
+                batch, size = [], 0
+        ok = sum(written)
+        self._count(puts=ok, put_bytes=sum(views[i][1].nbytes for i in range(len(views)) if written[i]),
+                    dropped_puts=len(views) - ok)
+        return written
+
+    def _write(self, views, batch: list[int], written: list[bool]) -> None:
+        def put(pipe, j, key):
+            view = views[batch[j]][1]
+            pipe.set(key, entry.encode_header(self.fingerprint, view) + bytes(view))
+
+        results = self._pipelined([self._key(views[i][0]) for i in batch], put, "write_errors")
+        for i, result in zip(batch, results):
+            written[i] = result is True
+
+    def read_many(self, keys: Sequence[bytes], consume: Callable[[int, memoryview], None]) -> list[bool]:
+        served = [False] * len(keys)
+        values = self._pipelined([self._key(k) for k in keys], lambda pipe, i, k: pipe.get(k), "read_errors")
+        nbytes = 0
+        for i, raw in enumerate(values):
+            if not isinstance(raw, bytes):
+                continue
+            view = memoryview(raw)
+            payload = view[entry.HEADER_BYTES:]
+            problem = entry.verify(entry.decode_header(view), self.fingerprint, payload)
+            if problem:
+                self._count(**{problem: 1})
+                log.warning("Redis store %s: an entry failed verification (%s); treated as a miss", self.url, problem)
+                continue
+            consume(i, payload)
+            served[i] = True
+            nbytes += payload.nbytes
+        hits = sum(served)
+        self._count(hits=hits, misses=len(keys) - hits, get_bytes=nbytes)
+        return served
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        found = self._pipelined([self._key(k) for k in keys], lambda pipe, i, k: pipe.exists(k), "read_errors")
+        return [result == 1 for result in found]
+
+    def delete(self, key: bytes) -> bool:
+        try:
+            return bool(self.client.delete(self._key(key)))
+        except self._errors:
+            self._count(write_errors=1)
+            return False
+
+    def _usage(self) -> dict[str, int]:
+        """Server-wide figures (summed over a cluster's primaries): Redis keeps no per-prefix totals."""
+        try:
+            entries = sum(self._per_node(lambda c: c.dbsize()))
+            used = sum(int(info.get("used_memory", 0)) for info in self._per_node(lambda c: c.info("memory")))
+        except self._errors:
+            return {"entries": -1, "bytes_used": -1}
+        return {"entries": entries, "bytes_used": used, "cluster": int(self.cluster)}
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except self._errors:
+            pass
+

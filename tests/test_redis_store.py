@@ -1,0 +1,256 @@
+"""The Redis tier against real redis-server processes on 127.0.0.1: standalone, ACL users, a 3-node
+Cluster (and one node killed), corrupt values, timeouts, and the tiers in front of it."""
+
+import logging
+import os
+import signal
+
+import pytest
+
+from kvoffload.bench.redis_server import Server, start_cluster
+from kvoffload.store import StoreConfigError, open_store
+from kvoffload.store import redis_store
+
+FP = b"f" * 16
+
+
+@pytest.fixture
+def server(tmp_path):
+    s = Server(str(tmp_path))
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    nodes = start_cluster(str(tmp_path))
+    yield nodes
+    for node in nodes:
+        node.stop()
+
+
+def _raw(server):
+    import redis
+
+    return redis.Redis(host="127.0.0.1", port=server.port)
+
+
+def _values(n=20, size=5000):
+    return [(f"page-{i}".encode(), os.urandom(size)) for i in range(n)]
+
+
+def test_round_trip_byte_exact_with_header(server):
+    store = open_store(f"redis://{server.address}/0?namespace=t1", fingerprint=FP)
+    items = _values()
+    assert store.put_many(items) == [True] * len(items)
+    assert store.contains_many([k for k, _ in items] + [b"absent"]) == [True] * len(items) + [False]
+    for key, value in items:
+        assert store.get(key) == value
+    raw = _raw(server).get(b"kvoffload:t1:" + FP.hex().encode() + b":page-0")
+    assert raw[:4] == b"KVOF" and raw[48:] == items[0][1]  # the LMDB entry header, then the page
+    assert store.stats()["hits"] == len(items)
+
+
+def test_corrupt_truncated_and_foreign_values_are_counted_misses(server):
+    store = open_store(f"redis://{server.address}/0?namespace=t2", fingerprint=FP)
+    items = _values(4)
+    store.put_many(items)
+    raw, prefix = _raw(server), b"kvoffload:t2:" + FP.hex().encode() + b":"
+    raw.setrange(prefix + b"page-0", 100, b"\xff\x00")  # a flipped payload: checksum
+    raw.set(prefix + b"page-1", raw.get(prefix + b"page-1")[:-7])  # truncated: length
+    raw.set(prefix + b"page-2", b"not ours at all")  # no header
+    assert [store.get(k) for k, _ in items[:3]] == [None, None, None]
+    assert store.get(b"page-3") == items[3][1]
+    stats = store.stats()
+    assert stats["checksum_failures"] == 1 and stats["length_mismatch"] == 1 and stats["bad_header"] == 1
+    other = open_store(f"redis://{server.address}/0?namespace=t2", fingerprint=b"g" * 16)
+    assert other.get(b"page-3") is None  # another layout never sees these pages (its own key space)
+
+
+def test_namespaces_are_separate(server):
+    a = open_store(f"redis://{server.address}/0?namespace=a", fingerprint=FP)
+    b = open_store(f"redis://{server.address}/0?namespace=b", fingerprint=FP)
+    a.put(b"k", b"v" * 10)
+    assert b.get(b"k") is None and a.get(b"k") == b"v" * 10
+
+
+def test_wrong_password_and_acl_users_fail_clearly_at_start(tmp_path):
+    secured = Server(str(tmp_path), password="s3cret")
+    try:
+        _raw_admin = __import__("redis").Redis(port=secured.port, password="s3cret")
+        _raw_admin.acl_setuser("kvo", enabled=True, passwords=["+kvopw"], keys=["kvoffload:*"], commands=["+@all"])
+        assert open_store(f"redis://:s3cret@{secured.address}/0", fingerprint=FP).put(b"k", b"v")
+        assert open_store(f"redis://kvo:kvopw@{secured.address}/0", fingerprint=FP).get(b"k") == b"v"
+        for url in (f"redis://:wrong@{secured.address}/0", f"redis://{secured.address}/0",
+                    f"redis://kvo:nope@{secured.address}/0"):
+            with pytest.raises(StoreConfigError, match="refused the credentials") as err:
+                open_store(url)
+            assert "wrong" not in str(err.value) and "nope" not in str(err.value)  # no password in messages
+    finally:
+        secured.stop()
+    with pytest.raises(StoreConfigError, match="cannot reach Redis"):
+        open_store(f"redis://{secured.address}/0")
+
+
+def test_passwords_never_appear_in_urls_the_store_reports(tmp_path):
+    secured = Server(str(tmp_path), password="s3cret")
+    try:
+        store = open_store(f"redis://:s3cret@{secured.address}/0?namespace=x")
+        tiered = open_store(f"tiered://?memory=1MiB&redis=redis://:s3cret@{secured.address}/0")
+        for shown in (store.url, store.stats()["url"], tiered.url, repr(tiered)):
+            assert "s3cret" not in shown and "***" in shown
+    finally:
+        secured.stop()
+
+
+def test_start_up_warns_without_maxmemory_and_lru(tmp_path, caplog):
+    unbounded = Server(str(tmp_path), maxmemory="0", policy="noeviction")
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvoffload.store.redis_store"):
+            store = open_store(f"redis://{unbounded.address}/0")
+        assert "grow without bound" in caplog.text and "allkeys-lru" in caplog.text
+        assert store.capacity == 1 << 40  # nothing declared: the default report
+    finally:
+        unbounded.stop()
+
+
+def test_capacity_from_maxmemory_and_eviction_by_the_server(tmp_path, caplog):
+    small = Server(str(tmp_path), maxmemory="4mb", policy="allkeys-lru")
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvoffload.store.redis_store"):
+            store = open_store(f"redis://{small.address}/0", fingerprint=FP)
+        assert "grow without bound" not in caplog.text and store.capacity == 4 << 20
+        items = [(f"v{i}".encode(), os.urandom(256 << 10)) for i in range(40)]  # 10 MiB into 4 MiB
+        assert all(store.put_many(items))
+        served = store.read_many([k for k, _ in items], lambda i, view: None)
+        assert 0 < sum(served) < len(items)  # the server evicted; what is left reads back verified
+    finally:
+        small.stop()
+
+
+def test_writes_go_out_in_bounded_pipelined_batches(server, monkeypatch):
+    monkeypatch.setattr(redis_store, "PIPELINE_BYTES", 20_000)
+    store = open_store(f"redis://{server.address}/0?namespace=p", fingerprint=FP)
+    executed = []
+    real = store.client.pipeline
+
+    def counting_pipeline(*args, **kwargs):
+        pipe = real(*args, **kwargs)
+        run = pipe.execute
+        pipe.execute = lambda **kw: executed.append(len(pipe.command_stack)) or run(**kw)
+        return pipe
+
+    store.client.pipeline = counting_pipeline
+    items = _values(12, 5000)
+    assert all(store.put_many(items))
+    assert len(executed) == 3 and sum(executed) == 12  # 4 values of 5000 bytes reach 20 000
+    executed.clear()
+    assert all(store.read_many([k for k, _ in items], lambda i, v: None))
+    assert executed == [12]  # every key in one round trip
+
+
+def test_a_dead_or_stalled_server_is_a_counted_miss_never_an_exception(server):
+    store = open_store(f"redis://{server.address}/0?namespace=d&timeout=0.5", fingerprint=FP)
+    items = _values(3)
+    store.put_many(items)
+    os.kill(server.proc.pid, signal.SIGSTOP)  # stalled: every call times out
+    try:
+        assert store.read_many([k for k, _ in items], lambda i, v: None) == [False] * 3
+        assert store.put_many(items) == [False] * 3
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    server.kill()
+    assert store.contains_many([k for k, _ in items]) == [False] * 3
+    stats = store.stats()
+    assert stats["read_errors"] >= 6 and stats["dropped_puts"] == 3 and stats["entries"] == -1
+
+
+def test_cluster_spreads_keys_and_survives_a_killed_node(cluster):
+    seeds = ",".join(node.address for node in cluster[:2])
+    store = open_store(f"redis+cluster://{seeds}/?namespace=c", fingerprint=FP)
+    items = _values(60, 2000)
+    assert all(store.put_many(items))
+    assert all(_raw(node).dbsize() > 0 for node in cluster)  # sharded over all three primaries
+    keys = [k for k, _ in items]
+    assert sum(store.read_many(keys, lambda i, v: None)) == 60
+    fresh = open_store(f"redis+cluster://{cluster[2].address}/?namespace=c", fingerprint=FP)  # another host
+    assert all(fresh.get(k) == v for k, v in items)
+    cluster[1].kill()
+    served = store.read_many(keys, lambda i, v: None)
+    assert 0 < sum(served) < 60  # fewer hits, no exception
+    assert store.stats()["read_errors"] >= 60 - sum(served)
+    written = store.put_many(items)
+    assert 0 < sum(written) < 60 and store.stats()["dropped_puts"] == 60 - sum(written)
+    for i, ok in enumerate(served):  # what is served is still the right bytes
+        if ok:
+            assert store.get(keys[i]) == items[i][1]
+
+
+def test_tls_form_is_passed_to_the_client(server, monkeypatch):
+    import redis
+
+    seen = {}
+    real = redis.Redis.__init__
+
+    def capture(self, *args, **kwargs):
+        seen.update(kwargs)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(redis.Redis, "__init__", capture)
+    with pytest.raises(StoreConfigError, match="cannot reach Redis"):  # the server speaks plain TCP
+        open_store(f"rediss://{server.address}/0?ssl_cert_reqs=none&ssl_ca_certs=/etc/ssl/certs/ca.pem")
+    assert seen["ssl"] is True and seen["ssl_cert_reqs"] == "none" and seen["ssl_ca_certs"] == "/etc/ssl/certs/ca.pem"
+    with pytest.raises(StoreConfigError, match="TLS options need rediss"):
+        open_store(f"redis://{server.address}/0?ssl_ca_certs=/x")
+
+
+def test_tiered_memory_lmdb_redis(server, tmp_path):
+    url = f"tiered://?memory=8MiB&lmdb={tmp_path}/lmdb&redis=redis://{server.address}/0"
+    items = _values(5)
+    with open_store(url, fingerprint=FP) as first:
+        assert all(first.put_many(items))
+    # another host: its own empty memory and LMDB, the same Redis
+    with open_store(f"tiered://?memory=8MiB&redis=redis://{server.address}/0", fingerprint=FP) as second:
+        assert [second.get(k) for k, _ in items] == [v for _, v in items]
+        assert second.stats()["disk_hits"] == 5
+        assert [second.get(k) for k, _ in items] == [v for _, v in items]
+        assert second.stats()["memory_hits"] == 5  # promoted into memory
+    with pytest.raises(StoreConfigError, match="redis= takes"):
+        open_store(f"tiered://?memory=1MiB&redis=lmdb:///x")
+
+
+# -- the runner and vLLM on a shared Redis tier --------------------------------------------------------
+
+def _check_all_equal(report):
+    assert report["ok"], report["problems"]
+    assert all(p["tokens_equal"] and p["pages_equal"] for p in report["prompts"])
+    assert report["totals"]["restored_pages"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("front", ["", "tiered"])
+def test_two_independent_runners_share_a_redis_tier(server, tiny_checkpoint, tmp_path, front):
+    from kvoffload.verify import verify
+
+    url = f"redis://{server.address}/0?namespace=verify"
+    if front:  # each process has its own (empty) memory in front of the shared Redis
+        url = f"tiered://?memory=64MiB&redis=redis://{server.address}/0"
+    report = verify(url, model_dir=tiny_checkpoint, separate=True)
+    _check_all_equal(report)
+    assert report["separate"] and report["counters"]["warm"]["loaded_pages"] > 0
+
+
+@pytest.mark.slow
+def test_runner_on_a_cluster_then_with_a_node_killed(cluster, tiny_checkpoint, tmp_path):
+    from kvoffload.verify import verify
+
+    seeds = ",".join(node.address for node in cluster)
+    report = verify(f"redis+cluster://{seeds}/?namespace=verify", model_dir=tiny_checkpoint, separate=True)
+    _check_all_equal(report)
+    full_hits = report["totals"]["hit_tokens"]
+    cluster[0].kill()
+    report = verify(f"redis+cluster://{cluster[1].address}/?namespace=verify", model_dir=tiny_checkpoint,
+                    separate=True)
+    assert all(p["tokens_equal"] for p in report["prompts"])  # same tokens
+    assert report["totals"]["hit_tokens"] < full_hits  # fewer hits: a third of the pages is unreachable
+    assert report["counters"]["cold"]["save_dropped"] > 0  # writes to the dead node dropped and counted

@@ -76,10 +76,11 @@ def test_vllm_ttft_benchmark_json(tmp_path):
 @pytest.mark.slow
 def test_overhead_benchmark_json(tmp_path):
     result = _bench("overhead", tmp_path)
-    assert set(result["results"]) == {"none", "kvoffload_memory", "kvoffload_lmdb"}
+    assert set(result["results"]) == {"none", "noop_connector", "kvoffload_memory", "kvoffload_lmdb"}
     for row in result["results"].values():
         assert row["step_ms"] > 0 and row["steps_per_batch"] >= result["workload"]["max_tokens"]
-    assert set(result["overhead_percent"]) == {"kvoffload_memory", "kvoffload_lmdb"}
+    assert set(result["overhead_percent"]) == {"noop_connector", "kvoffload_memory", "kvoffload_lmdb"}
+    assert set(result["overhead_beyond_vllm_hooks_percent"]) == {"kvoffload_memory", "kvoffload_lmdb"}
 
 
 def test_redis_benchmark_json(tmp_path):

@@ -227,7 +227,7 @@ class RedisStore(Store):
     def _write(self, views, batch: list[int], written: list[bool]) -> None:
         def put(pipe, j, key):
             view = views[batch[j]][1]
-            pipe.set(key, entry.encode_header(self.fingerprint, view) + bytes(view))
+            pipe.set(key, b"".join((entry.encode_header(self.fingerprint, view), view)))  # one copy
 
         results = self._pipelined([self._key(views[i][0]) for i in batch], put, "write_errors")
         for i, result in zip(batch, results):

@@ -134,7 +134,7 @@ def test_verify_command_refuses_bad_input(tmp_path, tiny_checkpoint):
     out = _cli("verify", "--model", tiny_checkpoint, "--prompts", str(bad))
     assert out.returncode == 2 and "space-separated token ids" in out.stderr
     out = _cli("verify", "--model", tiny_checkpoint, "--store", "memory://", "--restart")
-    assert out.returncode == 2 and "does not survive a restart" in out.stderr
+    assert out.returncode == 2 and "lives in one process" in out.stderr
 
 
 @pytest.mark.slow

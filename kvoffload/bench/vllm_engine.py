@@ -1,15 +1,18 @@
-"""Run the real vLLM engine (the CPU build here) in a child process and time it, for the benchmarks.
+"""The real vLLM engine (the CPU build here) in a child process that takes timing commands, for the
+benchmarks. Several engines (one per connector configuration) stay up side by side and the benchmark
+alternates between them, so a slow minute on a shared machine lands on every configuration alike.
 
-The parent (`run_engine`) writes a spec, starts `python -m kvoffload.bench.vllm_engine spec out`, and
-reads the JSON the child leaves. The child builds one `vllm.LLM` and, per phase, either times each
-prompt alone with one output token (`ttft`: time to first token of a lone request) or whole batches
-while counting engine steps (`steps`: mean engine step time). Between phases the engine's own prefix
-cache is reset, so any later hit comes from the KV connector."""
+Commands (one JSON object per line on the child's stdin; one JSON reply per line on a private pipe):
+    {"op": "ttft", "prompts": [[ids]]}   each prompt alone, one output token: seconds, cached tokens
+    {"op": "steps", "prompts": [[ids]], "max_tokens": n}   one batch: seconds and engine steps
+    {"op": "reset"}                      empty the engine's own prefix cache (the connector's store stays)
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 import tempfile
@@ -30,31 +33,66 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_engine(model_dir: str, kv_transfer_config: dict | None, phases: list[dict], *, block_size: int,
-               max_model_len: int, dtype: str = "float32", timeout: float = 900) -> dict:
-    """phases: [{"mode": "ttft", "prompts": [[ids]]} | {"mode": "steps", "batches": [[[ids]]],
-    "max_tokens": n}]; returns {"phases": [...], "startup_s": s}."""
-    spec = {"model": os.path.abspath(model_dir), "kv_transfer_config": kv_transfer_config, "phases": phases,
-            "block_size": block_size, "max_model_len": max_model_len, "dtype": dtype}
-    with tempfile.TemporaryDirectory(prefix="kvoffload-bench-") as tmp:
-        spec_path, out_path, log_path = (os.path.join(tmp, n) for n in ("spec.json", "out.json", "child.log"))
-        with open(spec_path, "w") as f:
-            json.dump(spec, f)
-        with open(log_path, "wb") as log:
-            proc = subprocess.run([sys.executable, "-m", "kvoffload.bench.vllm_engine", spec_path, out_path],
-                                  stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env(),
-                                  timeout=timeout)
-        if proc.returncode != 0 or not os.path.exists(out_path):
-            with open(log_path, "rb") as f:
+class Engine:
+    """One engine process; `call(op, ...)` sends a command and returns its reply."""
+
+    def __init__(self, model_dir: str, kv_transfer_config: dict | None, *, block_size: int, max_model_len: int,
+                 dtype: str = "float32", timeout: float = 600):
+        spec = {"model": os.path.abspath(model_dir), "kv_transfer_config": kv_transfer_config,
+                "block_size": block_size, "max_model_len": max_model_len, "dtype": dtype}
+        self.timeout = timeout
+        self.log = tempfile.NamedTemporaryFile(prefix="kvoffload-engine-", suffix=".log", delete=False)
+        replies, self._reply_w = os.pipe()
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvoffload.bench.vllm_engine", json.dumps(spec),
+                                      str(self._reply_w)], stdin=subprocess.PIPE, stdout=self.log,
+                                     stderr=subprocess.STDOUT, env=child_env(), pass_fds=(self._reply_w,), text=True)
+        os.close(self._reply_w)
+        self.replies = os.fdopen(replies)
+        self.startup_s = self._reply()["startup_s"]
+
+    def _reply(self) -> dict:
+        ready, _, _ = select.select([self.replies], [], [], self.timeout)
+        if not ready:
+            self.proc.kill()
+            raise EngineRunError(f"the vLLM engine did not answer within {self.timeout:.0f} s (log: {self.log.name})")
+        line = self.replies.readline()
+        if not line:
+            self.proc.wait(10)
+            with open(self.log.name, "rb") as f:
                 tail = f.read().decode("utf-8", "replace")[-4000:]
-            raise EngineRunError(f"vLLM engine run failed (exit {proc.returncode}):\n{tail}")
-        with open(out_path) as f:
-            return json.load(f)
+            raise EngineRunError(f"the vLLM engine exited (status {self.proc.returncode}):\n{tail}")
+        return json.loads(line)
+
+    def call(self, op: str, **args) -> dict:
+        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.replies.close()
+        os.unlink(self.log.name)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
-def _child(spec_path: str, out_path: str) -> None:
-    with open(spec_path) as f:
-        spec = json.load(f)
+def _child(spec_json: str, reply_fd: str) -> None:
+    spec = json.loads(spec_json)
+    replies = os.fdopen(int(reply_fd), "w")
+
+    def reply(obj: dict) -> None:
+        replies.write(json.dumps(obj) + "\n")
+        replies.flush()
+
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -65,7 +103,6 @@ def _child(spec_path: str, out_path: str) -> None:
         kwargs["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
     started = time.perf_counter()
     llm = LLM(**kwargs)
-    startup = time.perf_counter() - started
     engine, steps = llm.llm_engine, [0]
     step = engine.step
 
@@ -76,31 +113,30 @@ def _child(spec_path: str, out_path: str) -> None:
     engine.step = counted_step
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     llm.generate([{"prompt_token_ids": [3, 4, 5, 6, 7]}], one, use_tqdm=False)  # warm-up
-    results = []
-    for phase in spec["phases"]:
-        llm.reset_prefix_cache()
-        if phase["mode"] == "ttft":
+    llm.reset_prefix_cache()
+    reply({"startup_s": time.perf_counter() - started})
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["op"] == "reset":
+            reply({"ok": llm.reset_prefix_cache()})
+        elif command["op"] == "ttft":
             rows = []
-            for prompt in phase["prompts"]:
+            for prompt in command["prompts"]:
                 t0 = time.perf_counter()
                 (out,) = llm.generate([{"prompt_token_ids": prompt}], one, use_tqdm=False)
                 rows.append({"seconds": time.perf_counter() - t0, "prompt_tokens": len(prompt),
                              "cached_tokens": out.num_cached_tokens, "token": out.outputs[0].token_ids[0]})
-            results.append({"mode": "ttft", "rows": rows})
-        else:
-            params = SamplingParams(temperature=0.0, max_tokens=phase["max_tokens"], ignore_eos=True,
+            reply({"rows": rows})
+        elif command["op"] == "steps":
+            params = SamplingParams(temperature=0.0, max_tokens=command["max_tokens"], ignore_eos=True,
                                     detokenize=False)
-            rows = []
-            for batch in phase["batches"]:
-                llm.reset_prefix_cache()
-                steps[0] = 0
-                t0 = time.perf_counter()
-                outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-                rows.append({"seconds": time.perf_counter() - t0, "steps": steps[0],
-                             "cached_tokens": sum(o.num_cached_tokens for o in outs)})
-            results.append({"mode": "steps", "rows": rows})
-    with open(out_path, "w") as f:
-        json.dump({"phases": results, "startup_s": startup}, f)
+            steps[0] = 0
+            t0 = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": p} for p in command["prompts"]], params, use_tqdm=False)
+            reply({"seconds": time.perf_counter() - t0, "steps": steps[0],
+                   "cached_tokens": sum(o.num_cached_tokens for o in outs)})
+        else:
+            reply({"error": f"unknown op {command['op']!r}"})
 
 
 if __name__ == "__main__":

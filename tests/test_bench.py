@@ -81,6 +81,9 @@ def test_overhead_benchmark_json(tmp_path):
         assert row["step_ms"] > 0 and row["steps_per_batch"] >= result["workload"]["max_tokens"]
     assert set(result["overhead_percent"]) == {"noop_connector", "kvoffload_memory", "kvoffload_lmdb"}
     assert set(result["overhead_beyond_vllm_hooks_percent"]) == {"kvoffload_memory", "kvoffload_lmdb"}
+    own = result["connector_hooks_percent_of_step"]
+    assert set(own) == {"kvoffload_memory", "kvoffload_lmdb"} and all(v > 0 for v in own.values())  # hooks were timed
+    assert result["results"]["none"]["connector_ms_per_step"] == 0
 
 
 def test_redis_benchmark_json(tmp_path):

@@ -254,3 +254,25 @@ def test_runner_on_a_cluster_then_with_a_node_killed(cluster, tiny_checkpoint, t
     assert all(p["tokens_equal"] for p in report["prompts"])  # same tokens
     assert report["totals"]["hit_tokens"] < full_hits  # fewer hits: a third of the pages is unreachable
     assert report["counters"]["cold"]["save_dropped"] > 0  # writes to the dead node dropped and counted
+
+
+def test_a_reshard_under_way_is_a_miss_then_the_slot_map_recovers(cluster):
+    import subprocess
+
+    from kvoffload.bench.redis_server import binary
+
+    store = open_store(f"redis+cluster://{cluster[0].address}/?namespace=r", fingerprint=FP)
+    items = _values(60, 2000)
+    assert all(store.put_many(items))
+    ids = [subprocess.run([binary("redis-cli"), "-p", str(n.port), "cluster", "myid"], capture_output=True,
+                          text=True, check=True).stdout.strip() for n in cluster]
+    # move 3000 slots (and their keys) from the first node to the second behind the client's back
+    subprocess.run([binary("redis-cli"), "--cluster", "reshard", cluster[0].address, "--cluster-from", ids[0],
+                    "--cluster-to", ids[1], "--cluster-slots", "3000", "--cluster-yes"], capture_output=True,
+                   check=True, timeout=120)
+    keys = [k for k, _ in items]
+    first = store.read_many(keys, lambda i, v: None)  # a stale slot map: MOVED answers are misses
+    assert sum(first) <= 60
+    second = []
+    store.read_many(keys, lambda i, view: second.append((i, bytes(view))))
+    assert len(second) == 60 and all(items[i][1] == value for i, value in second)  # the map was reloaded

@@ -37,15 +37,20 @@ class Engine:
     """One engine process; `call(op, ...)` sends a command and returns its reply."""
 
     def __init__(self, model_dir: str, kv_transfer_config: dict | None, *, block_size: int, max_model_len: int,
-                 dtype: str = "float32", timeout: float = 600):
+                 dtype: str = "float32", timeout: float = 600, in_process: bool = False):
+        """`in_process`: scheduler and worker in the child itself (VLLM_ENABLE_V1_MULTIPROCESSING=0), which
+        also lets the child time every hook of the connector (`connector_seconds` in `steps` replies)."""
         spec = {"model": os.path.abspath(model_dir), "kv_transfer_config": kv_transfer_config,
-                "block_size": block_size, "max_model_len": max_model_len, "dtype": dtype}
+                "block_size": block_size, "max_model_len": max_model_len, "dtype": dtype, "in_process": in_process}
+        env = child_env()
+        if in_process:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.timeout = timeout
         self.log = tempfile.NamedTemporaryFile(prefix="kvoffload-engine-", suffix=".log", delete=False)
         replies, self._reply_w = os.pipe()
         self.proc = subprocess.Popen([sys.executable, "-m", "kvoffload.bench.vllm_engine", json.dumps(spec),
                                       str(self._reply_w)], stdin=subprocess.PIPE, stdout=self.log,
-                                     stderr=subprocess.STDOUT, env=child_env(), pass_fds=(self._reply_w,), text=True)
+                                     stderr=subprocess.STDOUT, env=env, pass_fds=(self._reply_w,), text=True)
         os.close(self._reply_w)
         self.replies = os.fdopen(replies)
         self.startup_s = self._reply()["startup_s"]
@@ -85,6 +90,38 @@ class Engine:
         self.close()
 
 
+HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "update_connector_output",
+         "request_finished", "request_finished_all_groups", "start_load_kv", "wait_for_layer_load", "save_kv_layer",
+         "wait_for_save", "get_finished", "get_transfer_results", "build_connector_worker_meta",
+         "get_kv_connector_stats", "bind_connector_metadata", "clear_connector_metadata")
+
+
+def _time_connector_hooks(kv_transfer_config: dict | None) -> list[float]:
+    """Wrap every hook of the configured connector class with a timer; returns the running total."""
+    import functools
+    import importlib
+
+    total = [0.0]
+    if not kv_transfer_config or "kv_connector_module_path" not in kv_transfer_config:
+        return total
+    module = importlib.import_module(kv_transfer_config["kv_connector_module_path"])
+    cls = getattr(module, kv_transfer_config["kv_connector"])
+    for name in HOOKS:
+        fn = getattr(cls, name, None)
+        if fn is None:
+            continue
+
+        def timed(*args, __fn=fn, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return __fn(*args, **kwargs)
+            finally:
+                total[0] += time.perf_counter() - t0
+
+        setattr(cls, name, functools.wraps(fn)(timed))
+    return total
+
+
 def _child(spec_json: str, reply_fd: str) -> None:
     spec = json.loads(spec_json)
     replies = os.fdopen(int(reply_fd), "w")
@@ -101,6 +138,7 @@ def _child(spec_json: str, reply_fd: str) -> None:
                   skip_tokenizer_init=True, seed=0)
     if spec["kv_transfer_config"]:
         kwargs["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
+    hook_seconds = _time_connector_hooks(spec["kv_transfer_config"]) if spec["in_process"] else [0.0]
     started = time.perf_counter()
     llm = LLM(**kwargs)
     engine, steps = llm.llm_engine, [0]
@@ -130,10 +168,10 @@ def _child(spec_json: str, reply_fd: str) -> None:
         elif command["op"] == "steps":
             params = SamplingParams(temperature=0.0, max_tokens=command["max_tokens"], ignore_eos=True,
                                     detokenize=False)
-            steps[0] = 0
+            steps[0], hooks_before = 0, hook_seconds[0]
             t0 = time.perf_counter()
             outs = llm.generate([{"prompt_token_ids": p} for p in command["prompts"]], params, use_tqdm=False)
-            reply({"seconds": time.perf_counter() - t0, "steps": steps[0],
+            reply({"seconds": time.perf_counter() - t0, "steps": steps[0], "connector_seconds": hook_seconds[0] - hooks_before,
                    "cached_tokens": sum(o.num_cached_tokens for o in outs)})
         else:
             reply({"error": f"unknown op {command['op']!r}"})

@@ -38,7 +38,7 @@ def connector_configs(tmp: str) -> dict[str, dict | None]:
 
 
 @contextlib.contextmanager
-def engines(names, tmp: str, max_model_len: int, progress):
+def engines(names, tmp: str, max_model_len: int, progress, in_process: bool = False):
     """The named configurations' engines, all started, closed on exit."""
     model = tiny_llama(f"{tmp}/model", **MODEL)
     configs = connector_configs(tmp)
@@ -47,7 +47,7 @@ def engines(names, tmp: str, max_model_len: int, progress):
         for name in names:
             progress(f"starting the {name} engine")
             running[name] = stack.enter_context(Engine(model, configs[name], block_size=BLOCK,
-                                                       max_model_len=max_model_len))
+                                                       max_model_len=max_model_len, in_process=in_process))
         yield running
 
 

@@ -62,7 +62,9 @@ def _vllm_ttft(ax, result):
 
 def _overhead(ax, result):
     names = list(result["results"])
-    _bars(ax, names, {"mean step ms": [result["results"][n]["step_ms"] for n in names]})
+    _bars(ax, names, {"step ms": [result["results"][n]["step_ms"] for n in names],
+                      "ms inside the connector's hooks": [result["results"][n].get("connector_ms_per_step", 0)
+                                                          for n in names]})
     ax.set(ylabel="ms per engine step", title="Connector cost with no hits (vLLM CPU engine)")
 
 

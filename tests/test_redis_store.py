@@ -46,7 +46,7 @@ def test_round_trip_byte_exact_with_header(server):
     assert store.contains_many([k for k, _ in items] + [b"absent"]) == [True] * len(items) + [False]
     for key, value in items:
         assert store.get(key) == value
-    raw = _raw(server).get(b"kvoffload:t1:" + FP.hex().encode() + b":page-0")
+    raw = _raw(server).get(b"kvoffload:t1:page-0")
     assert raw[:4] == b"KVOF" and raw[48:] == items[0][1]  # the LMDB entry header, then the page
     assert store.stats()["hits"] == len(items)
 
@@ -55,7 +55,7 @@ def test_corrupt_truncated_and_foreign_values_are_counted_misses(server):
     store = open_store(f"redis://{server.address}/0?namespace=t2", fingerprint=FP)
     items = _values(4)
     store.put_many(items)
-    raw, prefix = _raw(server), b"kvoffload:t2:" + FP.hex().encode() + b":"
+    raw, prefix = _raw(server), b"kvoffload:t2:"
     raw.setrange(prefix + b"page-0", 100, b"\xff\x00")  # a flipped payload: checksum
     raw.set(prefix + b"page-1", raw.get(prefix + b"page-1")[:-7])  # truncated: length
     raw.set(prefix + b"page-2", b"not ours at all")  # no header
@@ -64,7 +64,8 @@ def test_corrupt_truncated_and_foreign_values_are_counted_misses(server):
     stats = store.stats()
     assert stats["checksum_failures"] == 1 and stats["length_mismatch"] == 1 and stats["bad_header"] == 1
     other = open_store(f"redis://{server.address}/0?namespace=t2", fingerprint=b"g" * 16)
-    assert other.get(b"page-3") is None  # another layout never sees these pages (its own key space)
+    assert other.get(b"page-3") is None and other.stats()["fingerprint_mismatch"] == 1  # another layout's page
+    assert store.get(b"page-3") == items[3][1]  # is left in place for its own layout
 
 
 def test_namespaces_are_separate(server):

@@ -6,11 +6,13 @@
     redis+cluster://[user:password@]host:port,host:port/?...   seed nodes of a Redis Cluster
     rediss+cluster://...                           the same over TLS
 
-Keys: `kvoffload:<namespace>:<layout fingerprint hex>:` + the page key, so every model layout (and TP
-rank: the fingerprint covers it) has its own key space and a flush of one namespace spares the others.
-Values carry the same header as LMDB entries (format version, fingerprint, length, xxh3-128 checksum),
-verified on every read; nothing is ever unpickled. Writes go out in pipelined batches of bounded bytes,
-reads fetch many keys per round trip.
+Keys: `kvoffload:<namespace>:` + the page key. Page keys are chained from the model's identity (the
+runner's layout fingerprint, vLLM's model/cache identity) and carry the TP rank where pages are
+sharded, so every model and rank has its own keys; the layout fingerprint itself is not in the key
+because a vLLM scheduler, which looks pages up, cannot compute the workers' byte layout. Values carry
+the same header as LMDB entries (format version, fingerprint, length, xxh3-128 checksum), verified on
+every read: another layout's value is a counted miss (`fingerprint_mismatch`). Nothing is unpickled.
+Writes go out in pipelined batches of bounded bytes; reads fetch many keys per round trip.
 
 Capacity is the server's: `maxmemory` with an LRU or LFU eviction policy; without one the store warns
 at start-up (unbounded growth is an operator error). A wrong password or an unreachable server is a
@@ -206,7 +208,7 @@ class RedisStore(Store):
             log.info("Redis store %s: slot map not refreshed (%s)", self.url, exc)
 
     def _key(self, key: bytes) -> bytes:
-        return self.prefix + self.fingerprint.hex().encode() + b":" + key  # the fingerprint may be adopted later
+        return self.prefix + key
 
     # -- the Store primitives --------------------------------------------------------------------------
     def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:

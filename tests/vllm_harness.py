@@ -130,16 +130,12 @@ class HarnessError(RuntimeError):
 
 
 def child_env(extra_env: dict | None = None) -> dict[str, str]:
-    """Environment for vLLM child processes: this checkout importable, 1 GiB KV cache, offline."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (ROOT, TESTS_DIR, env.get("PYTHONPATH", "")) if p
-    )
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_NO_USAGE_STATS", "1")
-    env.setdefault("DO_NOT_TRACK", "1")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    """Environment for vLLM child processes: the benchmarks' (this checkout importable, 1 GiB KV cache,
+    offline), plus the tests directory and `extra_env`."""
+    from kvoffload.bench.vllm_engine import child_env as engine_env
+
+    env = engine_env()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, TESTS_DIR, env.get("PYTHONPATH", "")) if p)
     env.update({k: str(v) for k, v in (extra_env or {}).items()})
     return env
 

@@ -6,24 +6,18 @@ xxh3-128 checksum on write, its verification on read, the key prefix, and per-no
 from __future__ import annotations
 
 import os
-import statistics
 import tempfile
 import time
 
 from ..store import open_store
-from .common import machine
+from .common import machine, median_seconds
 from .redis_server import Server
 
 FULL_SIZES_KIB, QUICK_SIZES_KIB = [64, 1024, 4096], [64, 1024]
 
 
 def _gbps(fn, nbytes: int, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return round(nbytes / statistics.median(times) / 1e9, 3)
+    return round(nbytes / median_seconds(fn, repeats) / 1e9, 3)
 
 
 def run(quick: bool = False, repeats: int = 3, progress=None) -> dict:

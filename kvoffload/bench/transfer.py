@@ -12,8 +12,6 @@ buffer (`device: cpu`), which checks the benchmark, not the link."""
 
 from __future__ import annotations
 
-import statistics
-import time
 from contextlib import nullcontext
 
 import torch
@@ -22,7 +20,7 @@ from ..connectors.device_transfer import DeviceTransfer
 from ..connectors.transfer import page_spans
 from ..spec import GroupKind
 from ..store import open_store
-from .common import machine
+from .common import machine, median_seconds
 
 
 def _sync(device: torch.device) -> None:
@@ -33,13 +31,7 @@ def _sync(device: torch.device) -> None:
 def _median_gbps(fn, nbytes: int, repeats: int, device: torch.device) -> float:
     fn()  # warm-up: staging allocation, kernel compilation
     _sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return round(nbytes / statistics.median(times) / 1e9, 2)
+    return round(nbytes / median_seconds(lambda: (fn(), _sync(device)), repeats) / 1e9, 2)
 
 
 def _pages(layout, blocks: range, kinds) -> list:

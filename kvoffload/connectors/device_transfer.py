@@ -89,19 +89,14 @@ class DeviceTransfer:
     def _sizes(items: Sequence[Item]) -> np.ndarray:
         return np.fromiter([item[1].used_bytes_per_block for item in items], dtype=np.int64, count=len(items))
 
-    def _page_offsets(self, batch: Sequence[Item]) -> np.ndarray:
-        """Each page's offset in staging: back to back in batch order."""
-        sizes = self._sizes(batch)
-        return np.cumsum(sizes) - sizes
-
     def _template(self, group: CacheGroup) -> tuple[np.ndarray, ...]:
         """Per span of a page, in page order: offset in block 0, block stride, length, offset in the page."""
         entry = self._templates.get(id(group))
         if entry is None or entry[0] is not group:
-            spans = np.asarray([(r.page_offset(layer, 0), r.block_stride, r.used_bytes)
-                                for r in group.regions for layer in range(r.num_layers)], dtype=np.int64)
-            entry = self._templates[id(group)] = (group, spans[:, 0], spans[:, 1], spans[:, 2],
-                                                  np.cumsum(spans[:, 2]) - spans[:, 2])
+            spans = np.asarray(page_spans(group, 0), dtype=np.int64)
+            strides = np.asarray([r.block_stride for r in group.regions for _ in range(r.num_layers)], dtype=np.int64)
+            entry = self._templates[id(group)] = (group, spans[:, 0], strides, spans[:, 1],
+                                                  np.cumsum(spans[:, 1]) - spans[:, 1])
         return entry[1:]
 
     def _spans(self, batch: Sequence[Item], page_at: np.ndarray, keep: Sequence[bool] | None = None):
@@ -170,9 +165,10 @@ class DeviceTransfer:
         """`fill(host staging, page offsets)` writes the batch's pages into pinned staging and says which
         arrived; those are copied to the device and scattered into their blocks. Compute queued after
         this call waits for them; the host does not."""
-        total = sum(item[1].used_bytes_per_block for item in batch)
+        sizes = self._sizes(batch)
+        total = int(sizes.sum())
         slot = self._slot("load", index, total)
-        offsets = self._page_offsets(batch)
+        offsets = np.cumsum(sizes) - sizes  # back to back in batch order
         ok = fill(slot.host_bytes, offsets.tolist())
         spans, lengths, at = self._spans(batch, offsets, ok)
         if not len(spans):

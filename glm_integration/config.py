@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -19,6 +20,33 @@ _LAYER_TYPES = (KDA, MLA)
 _MLP_TYPES = ("dense", "sparse")
 _INDEXER_TYPES = ("full", "shared")
 _DTYPES = ("float32", "bfloat16", "float16")
+_FROM_ZERO = ("qk_rope_head_dim", "n_shared_experts", "num_nextn_predict_layers", "pad_token_id")  # other ints: >= 1
+_KINDS = {"int": (int, "an integer"), "float": (float, "a number"), "bool": (bool, "true or false"),
+          "str": (str, "a string")}
+
+
+class ModelConfigError(ValueError):
+    """A config.json or checkpoint file the runner cannot use: the user's to fix, not a bug."""
+
+
+def _checked(name: str, value, kind: str):
+    """`value` if it is of `kind` ('int', 'float', ...; an int is a float, a bool is neither): a config
+    written by hand must fail here, by name, not deep inside torch."""
+    want, words = _KINDS[kind]
+    if want is bool:
+        ok = isinstance(value, bool)
+    else:
+        ok = isinstance(value, (int, float) if want is float else want) and not isinstance(value, bool)
+        ok = ok and not (want is float and not math.isfinite(value))
+    if not ok:
+        raise ModelConfigError(f"{name} must be {words}, got {value!r}")
+    return value
+
+
+def _names(name: str, value):
+    if not (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)):
+        raise ModelConfigError(f"{name} must be a list of names, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -70,19 +98,24 @@ class GlmConfig:
 
     def __post_init__(self):
         for name in ("layer_types", "mlp_layer_types", "indexer_types"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
+            object.__setattr__(self, name, tuple(_names(name, getattr(self, name))))
         self._validate()
 
     def _validate(self) -> None:
+        for f in dataclasses.fields(self):
+            value, kind = getattr(self, f.name), f.type.removesuffix(" | None")
+            if kind in _KINDS and not (value is None and f.type.endswith("| None")):
+                _checked(f.name, value, kind)
+                low = 0 if f.name in _FROM_ZERO else 1
+                if kind == "int" and value < low:
+                    raise ModelConfigError(f"{f.name} must be {('non-negative', 'positive')[low]}, got {value}")
         n = self.num_hidden_layers
         if self.qk_rope_head_dim != 0:
-            raise ValueError(
+            raise ModelConfigError(
                 f"qk_rope_head_dim must be 0 (GLM-5.3-Flash MLA is NoPE), got {self.qk_rope_head_dim}"
             )
-        if self.index_kpool < 1:
-            raise ValueError(f"index_kpool must be positive, got {self.index_kpool}")
         if self.index_topk % self.index_kpool != 0:
-            raise ValueError(
+            raise ModelConfigError(
                 f"index_topk ({self.index_topk}) must be a multiple of index_kpool ({self.index_kpool})"
             )
         for name, allowed in (
@@ -92,27 +125,27 @@ class GlmConfig:
         ):
             values = getattr(self, name)
             if len(values) != n:
-                raise ValueError(f"{name} has {len(values)} entries for {n} layers")
+                raise ModelConfigError(f"{name} has {len(values)} entries for {n} layers")
             bad = sorted(set(values) - set(allowed))
             if bad:
-                raise ValueError(f"{name} has unknown values {bad}; allowed: {list(allowed)}")
+                raise ModelConfigError(f"{name} has unknown values {bad}; allowed: {list(allowed)}")
         if self.num_nextn_predict_layers not in (0, 1):
-            raise ValueError(f"num_nextn_predict_layers must be 0 or 1, got {self.num_nextn_predict_layers}")
+            raise ModelConfigError(f"num_nextn_predict_layers must be 0 or 1, got {self.num_nextn_predict_layers}")
         if self.tie_word_embeddings:
-            raise ValueError("tie_word_embeddings=True is not supported: GLM-5.3-Flash has its own lm_head")
+            raise ModelConfigError("tie_word_embeddings=True is not supported: GLM-5.3-Flash has its own lm_head")
         if self.n_routed_experts % self.n_group != 0 or not 1 <= self.topk_group <= self.n_group:
-            raise ValueError(
+            raise ModelConfigError(
                 f"bad expert grouping: {self.n_routed_experts} experts, n_group {self.n_group}, "
                 f"topk_group {self.topk_group}"
             )
         if self.num_experts_per_tok > self.n_routed_experts:
-            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} > {self.n_routed_experts} experts")
+            raise ModelConfigError(f"num_experts_per_tok {self.num_experts_per_tok} > {self.n_routed_experts} experts")
         if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+            raise ModelConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         full_mla = [i for i in self.mla_layers if self.indexer_types[i] == "full"]
         for i in self.mla_layers:
             if self.indexer_types[i] == "shared" and not any(j < i for j in full_mla):
-                raise ValueError(f"layer {i} reuses top-k indices but no earlier indexed layer runs its indexer")
+                raise ModelConfigError(f"layer {i} reuses top-k indices but no earlier indexed layer runs its indexer")
 
     @property
     def kda_layers(self) -> tuple[int, ...]:
@@ -133,27 +166,36 @@ class GlmConfig:
     @classmethod
     def from_hf_dict(cls, d: dict) -> GlmConfig:
         """Build from a text config dict, or a multimodal config with `text_config` (vision is ignored)."""
+        if not isinstance(d, dict):
+            raise ModelConfigError(f"a config is a JSON object, got {type(d).__name__}")
         if isinstance(d.get("text_config"), dict):
             outer = d
             d = dict(d["text_config"])
             for key in ("dtype", "torch_dtype", "num_nextn_predict_layers", "tie_word_embeddings"):
                 if key not in d and key in outer:
                     d[key] = outer[key]
-        get = lambda key, default: d[key] if d.get(key) is not None else default  # noqa: E731
+
+        def get(key, default):  # typed like its default
+            return _checked(key, d[key], type(default).__name__) if d.get(key) is not None else default
+
+        def names(key):
+            return None if d.get(key) is None else _names(key, d[key])
 
         n = get("num_hidden_layers", 45)
-        layer_types = d.get("layer_types")
+        layer_types = names("layer_types")
         if layer_types is None:
             layer_types = [KDA if i % 4 != 3 else MLA for i in range(n)]
         layer_types = [MLA if t == "full_attention" else t for t in layer_types]
-        mlp_layer_types = d.get("mlp_layer_types")
+        mlp_layer_types = names("mlp_layer_types")
         if mlp_layer_types is None:
             mlp_layer_types = ["dense"] * min(3, n) + ["sparse"] * (n - 3)
-        indexer_types = d.get("indexer_types")
+        indexer_types = names("indexer_types")
         if indexer_types is None:
             pattern = d.get("index_topk_pattern")
-            if pattern is not None:
-                indexer_types = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+            if isinstance(pattern, str):  # an unknown letter is reported as an unknown indexer type
+                indexer_types = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern]
+            elif pattern is not None:
+                indexer_types = names("index_topk_pattern")
             else:
                 freq = max(get("index_topk_freq", 1), 1)
                 offset = get("index_skip_topk_offset", 2)
@@ -174,14 +216,15 @@ class GlmConfig:
                 linear["linear_lower_bound"] = -5.0
 
         if get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act must be 'silu', got {d['hidden_act']!r}")
+            raise ModelConfigError(f"hidden_act must be 'silu', got {d['hidden_act']!r}")
         if get("attention_bias", False):
-            raise ValueError("attention_bias=True is not supported (GLM-5.3-Flash has none)")
+            raise ModelConfigError("attention_bias=True is not supported (GLM-5.3-Flash has none)")
         heads = get("num_attention_heads", 64)
         if get("num_key_value_heads", heads) != heads:
-            raise ValueError(f"num_key_value_heads ({d['num_key_value_heads']}) must equal num_attention_heads ({heads})")
+            raise ModelConfigError(f"num_key_value_heads ({d['num_key_value_heads']}) must equal num_attention_heads "
+                                   f"({heads})")
         if d.get("q_lora_rank", 1536) is None:
-            raise ValueError("q_lora_rank is required (the DSA indexer reads the q latent)")
+            raise ModelConfigError("q_lora_rank is required (the DSA indexer reads the q latent)")
 
         dtype = d.get("dtype") or d.get("torch_dtype") or "bfloat16"
         dtype = str(dtype).removeprefix("torch.")
@@ -228,8 +271,15 @@ class GlmConfig:
     def from_pretrained(cls, path: str) -> GlmConfig:
         """Read `config.json` from a checkpoint directory (or the file itself)."""
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-        with open(file) as f:
-            return cls.from_hf_dict(json.load(f))
+        with open(file, "rb") as f:
+            try:
+                d = json.load(f)
+            except ValueError as exc:  # not JSON, or not text at all
+                raise ModelConfigError(f"{file}: not valid JSON ({exc})") from None
+        try:
+            return cls.from_hf_dict(d)
+        except ModelConfigError as exc:
+            raise ModelConfigError(f"{file}: {exc}") from None
 
     def to_hf_dict(self) -> dict:
         """A text config dict that `Glm5NextTextConfig(**d)` accepts and `from_hf_dict` inverts."""
@@ -315,4 +365,4 @@ def preset(name: str) -> GlmConfig:
     try:
         return PRESETS[name]()
     except KeyError:
-        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}") from None
+        raise ModelConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}") from None

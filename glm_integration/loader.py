@@ -9,7 +9,7 @@ import json
 import os
 import struct
 
-from .config import GlmConfig
+from .config import GlmConfig, ModelConfigError
 from .model import GlmModel
 from .weights import load_weights
 
@@ -33,8 +33,10 @@ def checkpoint_id(directory: str) -> str:
                 for block in iter(lambda: f.read(1 << 20), b""):
                     digest.update(block)
             else:  # the safetensors header: names, dtypes, shapes and offsets of every tensor
-                (length,) = struct.unpack("<Q", f.read(8))
-                digest.update(f.read(length))
+                size = f.read(8)
+                if len(size) < 8:
+                    raise ModelConfigError(f"{path}: not a safetensors file (shorter than its header)")
+                digest.update(f.read(min(struct.unpack("<Q", size)[0], os.path.getsize(path))))  # garbage: no huge read
     return f"glm5next:{digest.hexdigest()}"
 
 

@@ -16,7 +16,7 @@ from collections import OrderedDict
 
 import torch
 
-from .config import KDA, GlmConfig
+from .config import KDA, GlmConfig, ModelConfigError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -155,8 +155,14 @@ def tensor_dtype(config: GlmConfig, name: str) -> torch.dtype:
 def _shard_files(directory: str) -> list[str]:
     index = os.path.join(directory, INDEX_FILE)
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        with open(index, "rb") as f:
+            try:
+                contents = json.load(f)
+            except ValueError as exc:
+                raise ModelConfigError(f"{index}: not valid JSON ({exc})") from None
+        weight_map = contents.get("weight_map") if isinstance(contents, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
+            raise ModelConfigError(f"{index}: no weight_map from tensor names to files")
         return sorted(set(weight_map.values()))
     if os.path.exists(os.path.join(directory, SINGLE_FILE)):
         return [SINGLE_FILE]
@@ -164,15 +170,19 @@ def _shard_files(directory: str) -> list[str]:
 
 
 def _read_raw(directory: str) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     raw: dict[str, torch.Tensor] = {}
     for file in _shard_files(directory):
-        with safe_open(os.path.join(directory, file), framework="pt") as f:
-            for name in f.keys():
-                if name in raw:
-                    raise ValueError(f"{directory}: tensor {name!r} appears in more than one shard")
-                raw[name] = f.get_tensor(name)
+        path = os.path.join(directory, file)
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    if name in raw:
+                        raise ModelConfigError(f"{directory}: tensor {name!r} appears in more than one shard")
+                    raw[name] = f.get_tensor(name)
+        except SafetensorError as exc:  # truncated, or not safetensors at all
+            raise ModelConfigError(f"{path}: not a readable safetensors file ({exc})") from None
     return raw
 
 
@@ -211,13 +221,14 @@ def _fuse_release_format(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Te
         for proj in ("gate_proj", "up_proj", "down_proj"):
             by_index = parts.get(proj, {})
             if sorted(by_index) != list(range(len(by_index))) or not by_index:
-                raise ValueError(f"{prefix}: per-expert {proj} tensors are incomplete (have {sorted(by_index)[:8]}...)")
+                raise ModelConfigError(f"{prefix}: per-expert {proj} tensors are incomplete "
+                                       f"(have {sorted(by_index)[:8]}...)")
             stacked[proj] = torch.stack([by_index[e] for e in range(len(by_index))])
         out[prefix + ".gate_up_proj"] = torch.cat([stacked["gate_proj"], stacked["up_proj"]], dim=1)
         out[prefix + ".down_proj"] = stacked["down_proj"]
     for prefix, parts in convs.items():
         if sorted(parts) != ["k", "q", "v"]:
-            raise ValueError(f"{prefix}: split conv1d needs q, k and v, found {sorted(parts)}")
+            raise ModelConfigError(f"{prefix}: split conv1d needs q, k and v, found {sorted(parts)}")
         w = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
         out[prefix + ".conv1d.weight"] = w.reshape(w.shape[0], 1, -1)
     return out
@@ -234,7 +245,7 @@ def load_weights(directory: str, config: GlmConfig | None = None) -> dict[str, t
 
     `config` defaults to the directory's config.json. Vision tensors are dropped; the MTP layer
     (`layers.<num_hidden_layers>.`) is returned under `mtp.`. Missing, unexpected or misshapen tensors
-    raise ValueError naming a few of them.
+    raise ModelConfigError (a ValueError) naming a few of them.
     """
     if config is None:
         if not os.path.exists(os.path.join(directory, "config.json")):
@@ -242,7 +253,8 @@ def load_weights(directory: str, config: GlmConfig | None = None) -> dict[str, t
         config = GlmConfig.from_pretrained(directory)
     raw = _read_raw(directory)
     if fp8 := [n for n in raw if n.endswith(("weight_scale_inv", "weight_scale", "input_scale"))]:
-        raise ValueError(f"{directory}: quantised checkpoint (e.g. {_few(fp8, 2)}); load the BF16 release instead")
+        raise ModelConfigError(f"{directory}: quantised checkpoint (e.g. {_few(fp8, 2)}); "
+                               "load the BF16 release instead")
 
     text: dict[str, torch.Tensor] = {}
     for name, t in raw.items():
@@ -264,7 +276,7 @@ def load_weights(directory: str, config: GlmConfig | None = None) -> dict[str, t
                 continue
         out[name] = t
     if beyond:
-        raise ValueError(
+        raise ModelConfigError(
             f"{directory}: tensors for layers past the MTP layer (index {n_layers}): {_few(beyond)}; "
             f"does num_hidden_layers={n_layers} match this checkpoint?"
         )
@@ -272,14 +284,14 @@ def load_weights(directory: str, config: GlmConfig | None = None) -> dict[str, t
     expected = tensor_shapes(config)
     missing = [n for n in expected if n not in out]
     if missing:
-        raise ValueError(f"{directory}: {len(missing)} required tensors missing: {_few(missing)}")
+        raise ModelConfigError(f"{directory}: {len(missing)} required tensors missing: {_few(missing)}")
     unexpected = [
         n
         for n in out
         if n not in expected and not (n.startswith("mtp.") and (not config.num_nextn_predict_layers or n[4:] in _MTP_OPTIONAL))
     ]
     if unexpected:
-        raise ValueError(f"{directory}: {len(unexpected)} unexpected tensors: {_few(unexpected)}")
+        raise ModelConfigError(f"{directory}: {len(unexpected)} unexpected tensors: {_few(unexpected)}")
     wrong = [
         f"{n} {tuple(out[n].shape)} != {shape}" for n, shape in expected.items() if tuple(out[n].shape) != shape
     ]
@@ -290,5 +302,5 @@ def load_weights(directory: str, config: GlmConfig | None = None) -> dict[str, t
             if "mtp." + n in out and tuple(out["mtp." + n].shape) != (config.vocab_size, config.hidden_size)
         ]
     if wrong:
-        raise ValueError(f"{directory}: {len(wrong)} tensors have the wrong shape: {'; '.join(wrong[:5])}")
+        raise ModelConfigError(f"{directory}: {len(wrong)} tensors have the wrong shape: {'; '.join(wrong[:5])}")
     return out

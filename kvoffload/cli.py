@@ -7,11 +7,35 @@ import argparse
 import json
 import sys
 
+from glm_integration.config import ModelConfigError
+
 from .store import StoreConfigError, open_store
 
+# What a user must change, reported in one line with exit status 2; anything else is a bug: a traceback.
+# The OS errors are about files named on the command line (--prompts, --model, --out).
+INPUT_ERRORS = (StoreConfigError, ModelConfigError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
+                PermissionError)
 
 BENCHMARKS = {"store": "store", "footprint": "footprint", "ttft": "ttft", "transfer": "transfer",
               "vllm-ttft": "vllm_ttft", "overhead": "overhead", "redis": "redis_tier"}  # name -> kvoffload.bench module
+
+
+def _refuse(exc: Exception) -> int:
+    if isinstance(exc, OSError) and exc.filename and exc.strerror:
+        exc = f"{exc.filename}: {exc.strerror}"
+    print(f"kvoffload: {exc}", file=sys.stderr)
+    return 2
+
+
+def _count(text: str) -> int:
+    """argparse type: an integer of at least 1 (0 or less would run nothing, or divide by zero)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _progress(message: str) -> None:
@@ -35,12 +59,15 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .verify import verify
+    from .verify import InputError, verify
 
-    report = verify(args.store, model_dir=args.model, preset=args.preset, prompts_file=args.prompts,
-                    restart=args.restart, separate=args.separate, block_size=args.block_size,
-                    max_tokens=args.max_tokens,
-                    progress=None if args.quiet else _progress, device=args.device, kernels=args.kernels)
+    try:
+        report = verify(args.store, model_dir=args.model, preset=args.preset, prompts_file=args.prompts,
+                        restart=args.restart, separate=args.separate, block_size=args.block_size,
+                        max_tokens=args.max_tokens,
+                        progress=None if args.quiet else _progress, device=args.device, kernels=args.kernels)
+    except InputError as exc:
+        return _refuse(exc)
     return _print_report(report, args.json)
 
 
@@ -89,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     ver.add_argument("--device", default="cpu", help="cpu or cuda[:N] (NVIDIA or ROCm GPU; default cpu)")
     ver.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton", "aiter"],
                      help="runner kernel backend (auto: triton on a GPU, torch on the CPU)")
-    ver.add_argument("--block-size", type=int, default=16)
-    ver.add_argument("--max-tokens", type=int, default=8, help="greedy decode steps compared per prompt")
+    ver.add_argument("--block-size", type=_count, default=16)
+    ver.add_argument("--max-tokens", type=_count, default=8, help="greedy decode steps compared per prompt")
     ver.add_argument("--json", action="store_true", help="per prompt: tokens_equal, pages_equal, hit_tokens, "
                                                          "cold and warm prefill seconds; totals")
     ver.add_argument("--quiet", action="store_true", help="no progress output")
@@ -107,9 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (StoreConfigError, ValueError, FileNotFoundError) as exc:
-        print(f"kvoffload: {exc}", file=sys.stderr)
-        return 2
+    except INPUT_ERRORS as exc:
+        return _refuse(exc)
 
 
 if __name__ == "__main__":

@@ -49,17 +49,30 @@ def builtin_cases(config, block_size: int) -> list[tuple[str, list[list[int]]]]:
     ]
 
 
-def read_prompt_file(path: str) -> list[tuple[str, list[list[int]]]]:
+class InputError(ValueError):
+    """A prompt file or verify option this model cannot run: the user's to fix (a failed check is not)."""
+
+
+def read_prompt_file(path: str, vocab_size: int | None = None) -> list[tuple[str, list[list[int]]]]:
+    """One prompt per non-blank line, space-separated token ids, each in [0, vocab_size)."""
     cases = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    cases.append((f"{os.path.basename(path)}:{number}", [[int(t) for t in line.split()]]))
-                except ValueError:
-                    raise ValueError(f"{path}:{number}: a prompt is space-separated token ids") from None
+    with open(path, encoding="utf-8") as f:
+        try:
+            lines = f.readlines()
+        except UnicodeDecodeError:
+            raise InputError(f"{path}: not a text file of token ids") from None
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                prompt = [int(t) for t in line.split()]
+            except ValueError:
+                raise InputError(f"{path}:{number}: a prompt is space-separated token ids") from None
+            if vocab_size and (bad := [t for t in prompt if not 0 <= t < vocab_size]):
+                raise InputError(f"{path}:{number}: token id {bad[0]} is outside the model's vocabulary "
+                                 f"[0, {vocab_size})")
+            cases.append((f"{os.path.basename(path)}:{number}", [prompt]))
     if not cases:
-        raise ValueError(f"{path}: no prompts")
+        raise InputError(f"{path}: no prompts")
     return cases
 
 
@@ -255,16 +268,26 @@ def verify(store_url: str, *, model_dir: str | None = None, preset: str = "tiny"
     if (restart or separate) and parse_url(store_url).scheme == "memory":
         raise StoreConfigError("memory:// lives in one process: use lmdb://, redis:// or tiered:// with "
                                "--restart or --separate")
+    if block_size < 1 or max_tokens < 1:
+        raise InputError(f"block size and max tokens must be at least 1, got {block_size} and {max_tokens}")
+    from glm_integration.kernels import backend_for, use_backend
+
+    try:
+        use_backend(backend_for(device, kernels))
+    except ValueError as exc:  # only raised for a backend unknown or not installed here
+        raise InputError(f"--kernels {kernels}: {exc}") from None
     model_dir = model_dir or default_model_dir(preset)
     from glm_integration.cache import PagedCache
     from glm_integration.config import GlmConfig
     from glm_integration.loader import checkpoint_id
 
     config = GlmConfig.from_pretrained(model_dir)
-    cases = read_prompt_file(prompts_file) if prompts_file else builtin_cases(config, block_size)
+    if block_size % config.index_kpool:
+        raise InputError(f"--block-size {block_size} must be a multiple of the model's index_kpool "
+                         f"({config.index_kpool})")
+    cases = read_prompt_file(prompts_file, config.vocab_size) if prompts_file else builtin_cases(config, block_size)
     namespace = f"verify/{uuid.uuid4()}"
     layout = PagedCache(config, block_size, 1, model_id=checkpoint_id(model_dir), device="meta").layout
-    from glm_integration.kernels import backend_for
 
     run = {"device": device, "kernels": kernels}
     phase = (model_dir, store_url, namespace, cases, block_size, max_tokens, run)
@@ -309,6 +332,9 @@ def _phase_in_new_process(model_dir, store_url, namespace, cases, block_size, ma
             json.dump({"model_dir": model_dir, "store_url": store_url, "namespace": namespace, "cases": cases,
                        "block_size": block_size, "max_tokens": max_tokens, **run}, f)
         proc = subprocess.run([sys.executable, "-m", "kvoffload.verify", spec, out])  # progress on stderr
+        if proc.returncode == 2 and os.path.exists(out):  # bad input, reported here as the parent's own
+            with open(out) as f:
+                raise InputError(json.load(f)["input_error"])
         if proc.returncode != 0:
             raise RuntimeError(f"the phase's process failed with exit status {proc.returncode}")
         with open(out) as f:
@@ -318,11 +344,18 @@ def _phase_in_new_process(model_dir, store_url, namespace, cases, block_size, ma
 def _phase_main(spec_path: str, out_path: str) -> int:
     with open(spec_path) as f:
         spec = json.load(f)
+    from .cli import INPUT_ERRORS
+
     started = time.perf_counter()
-    result = run_phase(spec["model_dir"], spec["store_url"], spec["namespace"],
-                       [(name, prompts) for name, prompts in spec["cases"]], spec["block_size"], spec["max_tokens"],
-                       progress=lambda message: print(message, file=sys.stderr, flush=True),
-                       device=spec["device"], kernels=spec["kernels"])
+    try:
+        result = run_phase(spec["model_dir"], spec["store_url"], spec["namespace"],
+                           [(name, prompts) for name, prompts in spec["cases"]], spec["block_size"],
+                           spec["max_tokens"], progress=lambda message: print(message, file=sys.stderr, flush=True),
+                           device=spec["device"], kernels=spec["kernels"])
+    except INPUT_ERRORS as exc:  # a store or checkpoint that cannot work: the parent says so, in one line
+        with open(out_path, "w") as f:
+            json.dump({"input_error": str(exc)}, f)
+        return 2
     result.counters["process_seconds"] = int(time.perf_counter() - started)
     with open(out_path, "w") as f:
         json.dump(asdict(result), f)

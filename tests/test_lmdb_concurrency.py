@@ -1,6 +1,7 @@
 """Several processes on one LMDB directory at once: each writes its own keys and keeps reading its
-own and the others', while the map grows under them (or, with a small capacity, while they evict each
-other's entries). Every value is a deterministic function of its key, so every read is checked."""
+own and the others' (with a small capacity, while they evict each other's entries); processes that
+open the store with other capacities meanwhile never resize the file under it. Every value is a
+deterministic function of its key, so every read is checked."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import sys
 import pytest
 
 from kvoffload import open_store
-from kvoffload.store.lmdb_store import _INITIAL_MAP, _META_BYTES
+from kvoffload.store.lmdb_store import entry_charge, map_size_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = 4
@@ -183,12 +184,12 @@ def check_fresh_open(url: str, nkeys: int) -> tuple[dict, dict]:
     for name in BAD_COUNTERS:
         assert stats.get(name, 0) == 0, (name, stats)
     assert stats["entries"] == len(present), stats
-    assert stats["bytes_used"] == sum(present.values()) + len(present) * _META_BYTES, stats
+    assert stats["bytes_used"] == sum(entry_charge(n) for n in present.values()), stats
     return present, stats
 
 
 @pytest.mark.timeout(600)
-def test_four_processes_while_the_map_grows(tmp_path):
+def test_four_processes_below_the_capacity(tmp_path):
     capacity, nkeys = 256 << 20, 110  # ~180 MiB in all: under the capacity, so nothing is evicted
     url = f"lmdb://{tmp_path}/store?capacity=256MiB"
     results = run_workers(tmp_path, url, nkeys, seed=7, evicting=False)
@@ -203,9 +204,8 @@ def test_four_processes_while_the_map_grows(tmp_path):
     written = {(w, i) for w, r in enumerate(results) for i in r["written"]}
     assert set(present) == written
     assert stats["bytes_used"] <= capacity
-    # The map really grew while others were reading: 64 MiB -> 128 MiB -> 256 MiB at least.
-    assert stats["map_size"] >= 4 * _INITIAL_MAP, stats
-    assert len({m for r in results for m in r["map_sizes"]}) >= 3, [r["map_sizes"] for r in results]
+    # The map is sized once, at open: no process ever saw it change.
+    assert {m for r in results for m in r["map_sizes"]} == {map_size_for(capacity)}, [r["map_sizes"] for r in results]
 
 
 def test_four_processes_evicting_each_other(tmp_path):
@@ -226,84 +226,49 @@ def test_four_processes_evicting_each_other(tmp_path):
     assert set(present) <= written, "a key whose put returned False is being served"
 
 
-# -- a process with a stale map must not shrink the file under a writer that has grown it ---------------
+# -- a process that opens the store with another capacity while it is in use ----------------------------
 
-STALE_READER = r"""
-import os, sys
-from kvoffload.store.lmdb_store import LMDBStore
-store = LMDBStore(sys.argv[1], 1 << 30)                   # opened early: a 64 MiB map
-print("open", flush=True)
-sys.stdin.readline()
-store.get(b"k0")                                          # the map grew meanwhile: adopt it
-print(os.path.getsize(os.path.join(sys.argv[1], "data.mdb")), flush=True)
-sys.stdin.readline()
-"""
-
-GROWING_WRITER = r"""
+HOLDER = r"""
 import sys
-from kvoffload.store.lmdb_store import LMDBStore
-store = LMDBStore(sys.argv[1], 1 << 30)
-grow = store._grow
-paused = False
-
-
-def grow_and_pause(nbytes):
-    # Hold the window between growing the map and committing into the new range open, so the
-    # other process's read lands in it deterministically (in production it is a timing race).
-    global paused
-    ok = grow(nbytes)
-    if not paused and store._env.info()["map_size"] > 128 << 20:
-        paused = True
-        print("grown", store._env.info()["map_size"], flush=True)
-        sys.stdin.readline()
-    return ok
-
-
-store._grow = grow_and_pause
-for i in range(200):
-    assert store.put(b"k%d" % i, (b"%08d" % i) * (1 << 17))
+from kvoffload import open_store
+store = open_store(f"lmdb://{sys.argv[1]}?capacity=64MiB")
+for i in range(40):
+    assert store.put(b"k%d" % i, (b"%08d" % i) * (1 << 15))
+print("holding", flush=True)
+sys.stdin.readline()
+for i in range(40, 80):                                    # the file was not cut or grown under us
+    assert store.put(b"k%d" % i, (b"%08d" % i) * (1 << 15))
+assert all(store.get(b"k%d" % i) == (b"%08d" % i) * (1 << 15) for i in range(80))
 store.close()
 print("done", flush=True)
 """
 
 
-def test_stale_process_does_not_shrink_the_file_under_a_grown_writer(tmp_path):
+@pytest.mark.parametrize("other", ["16MiB", "256MiB"])
+def test_other_capacity_adopts_the_open_map_and_applies_when_alone(tmp_path, other):
     store_dir = str(tmp_path / "store")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    open_store(f"lmdb://{store_dir}?capacity=1GiB").close()
-    procs = []
-
-    def start(script):
-        procs.append(subprocess.Popen([sys.executable, "-c", script, store_dir], env=env, cwd=ROOT,
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
-        return procs[-1]
-
-    def say(p, line="go"):
-        p.stdin.write(line + "\n")
-        p.stdin.flush()
-
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, store_dir], env=env, cwd=ROOT,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        reader = start(STALE_READER)
-        assert reader.stdout.readline().strip() == "open"
-        writer = start(GROWING_WRITER)
-        grown = writer.stdout.readline().split()
-        assert grown and grown[0] == "grown", grown
-        writer_map = int(grown[1])
-        say(reader)
-        size_after_read = int(reader.stdout.readline())
-        say(reader)
-        say(writer)
-        out, _ = writer.communicate(timeout=120)
-        reader.communicate(timeout=60)
+        assert holder.stdout.readline().strip() == "holding", holder.stderr.read()
+        data = os.path.join(store_dir, "data.mdb")
+        size = os.path.getsize(data)
+        with open_store(f"lmdb://{store_dir}?capacity={other}") as store:  # in use: adopts the file's map
+            assert os.path.getsize(data) == size == store.stats()["map_size"]
+            assert store.capacity == min(64 << 20, store.configured_capacity)
+            assert store.get(b"k0") == b"%08d" % 0 * (1 << 15)
+            assert store.put(b"other", b"x" * 1000)
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        out, err = holder.communicate(timeout=120)
+        assert holder.returncode == 0 and out.strip() == "done", err[-2000:]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    assert size_after_read >= writer_map and writer.returncode == 0 and out.strip() == "done", (
-        f"the reader left data.mdb at {size_after_read} bytes under the writer's {writer_map}-byte map; "
-        f"writer exit status {writer.returncode} (-7: SIGBUS)")
-    with open_store(f"lmdb://{store_dir}?capacity=1GiB") as store:
-        for i in range(200):
-            assert store.get(b"k%d" % i) == (b"%08d" % i) * (1 << 17)
+        if holder.poll() is None:
+            holder.kill()
+            holder.communicate()
+    with open_store(f"lmdb://{store_dir}?capacity={other}") as store:  # alone: the new capacity applies
+        grown = map_size_for(store.configured_capacity)
+        assert store.stats()["map_size"] == max(size, grown) == os.path.getsize(data)
+        assert store.get(b"k79") == b"%08d" % 79 * (1 << 15)

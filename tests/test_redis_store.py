@@ -4,6 +4,7 @@ Cluster (and one node killed), corrupt values, timeouts, and the tiers in front 
 import logging
 import os
 import signal
+import time
 
 import pytest
 
@@ -49,6 +50,12 @@ def _raw(server):
 
 def _values(n=20, size=5000):
     return [(f"page-{i}".encode(), os.urandom(size)) for i in range(n)]
+
+
+def _timed(call):
+    start = time.monotonic()
+    result = call()
+    return result, time.monotonic() - start
 
 
 def test_round_trip_byte_exact_with_header(server):
@@ -167,6 +174,68 @@ def test_a_dead_or_stalled_server_is_a_counted_miss_never_an_exception(server):
     assert stats["read_errors"] >= 6 and stats["dropped_puts"] == 3 and stats["entries"] == -1
 
 
+def _outage_calls(store, items):
+    """Every store call, each of which must answer a miss or a dropped write."""
+    keys = [k for k, _ in items]
+    return [lambda: store.put_many(items), lambda: store.read_many(keys, lambda i, v: None),
+            lambda: store.contains_many(keys), lambda: [store.delete(keys[0])]]
+
+
+def test_a_hung_server_costs_one_timeout_then_is_skipped_until_it_is_back(server, monkeypatch, caplog):
+    """SIGSTOP: the kernel accepts connections, no reply comes. redis-py's default retries made every
+    call take 15 s with timeout=1; now one timeout, then misses without touching the network."""
+    monkeypatch.setattr(redis_store, "NODE_RETRY_SECONDS", 3.0)
+    store = open_store(f"redis://{server.address}/0?namespace=h&timeout=1", fingerprint=FP)
+    items = _values(3)
+    assert all(store.put_many(items))
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvoffload.store.redis_store"):
+            served, first = _timed(lambda: store.read_many([k for k, _ in items], lambda i, v: None))
+            assert served == [False] * 3 and first < 4
+            for call in _outage_calls(store, items):
+                result, took = _timed(call)
+                assert not any(result) and took < 0.5
+            stats, took = _timed(store.stats)
+            assert stats["entries"] == -1 and took < 0.5
+        assert caplog.text.count("skipped for") == 1  # once per back-off, not once per call
+        assert stats["read_errors"] == 9 and stats["dropped_puts"] == 3 and stats["write_errors"] == 4
+        start = time.monotonic()
+        with pytest.raises(StoreConfigError, match="cannot reach Redis"):  # start-up: one timeout too
+            open_store(f"redis://{server.address}/0?timeout=1")
+        assert time.monotonic() - start < 4
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    time.sleep(3.1)  # the back-off is over: the next call tries the server again
+    assert all(store.put_many(items)) and store.get(items[0][0]) == items[0][1]
+
+
+def test_a_dead_server_is_skipped_after_one_failed_call(server, monkeypatch, caplog):
+    monkeypatch.setattr(redis_store, "NODE_RETRY_SECONDS", 1.0)
+    store = open_store(f"redis://{server.address}/0?namespace=k&timeout=1", fingerprint=FP)
+    items = _values(3)
+    server.kill()
+    with caplog.at_level(logging.WARNING, logger="kvoffload.store.redis_store"):
+        for n, call in enumerate(_outage_calls(store, items) * 2):
+            result, took = _timed(call)
+            assert not any(result) and took < (4 if n == 0 else 0.5)
+        assert caplog.text.count("skipped for") == 1
+        time.sleep(1.1)
+        assert store.contains_many([items[0][0]]) == [False]
+        assert caplog.text.count("skipped for") == 2  # tried again after the back-off: still dead
+    stats = store.stats()
+    assert stats["dropped_puts"] == 6 and stats["write_errors"] == 8 and stats["read_errors"] == 13
+
+
+def test_timeout_must_be_a_positive_number_and_bounds_connecting_too(server):
+    for value in ("abc", "-1", "0", "1e999", "nan", ""):
+        with pytest.raises(StoreConfigError, match=r"timeout=.*positive number"):
+            open_store(f"redis://{server.address}/0?timeout={value}")
+    options = open_store(f"redis://{server.address}/0?timeout=0.5").client.connection_pool.connection_kwargs
+    assert options["socket_timeout"] == options["socket_connect_timeout"] == 0.5
+    assert options["retry"].get_retries() == 0
+
+
 def test_cluster_spreads_keys_and_survives_a_killed_node(cluster):
     seeds = ",".join(node.address for node in cluster[:2])
     store = open_store(f"redis+cluster://{seeds}/?namespace=c", fingerprint=FP)
@@ -186,6 +255,27 @@ def test_cluster_spreads_keys_and_survives_a_killed_node(cluster):
     for i, ok in enumerate(served):  # what is served is still the right bytes
         if ok:
             assert store.get(keys[i]) == items[i][1]
+
+
+def test_a_hung_cluster_node_costs_one_timeout_then_is_skipped(cluster):
+    store = open_store(f"redis+cluster://{cluster[0].address},{cluster[1].address}/?namespace=hc&timeout=1",
+                       fingerprint=FP)
+    items = _values(30, 1000)
+    keys = [k for k, _ in items]
+    assert all(store.put_many(items))
+    os.kill(cluster[2].proc.pid, signal.SIGSTOP)
+    try:
+        served, first = _timed(lambda: store.read_many(keys, lambda i, v: None))
+        assert 0 < sum(served) < 30 and first < 4  # one timeout, and the slot map reload skips the node
+        lost = [k for k, ok in zip(keys, served) if not ok]
+        for call in _outage_calls(store, [(k, b"v") for k in lost]):
+            result, took = _timed(call)
+            assert not any(result) and took < 0.5
+        written, took = _timed(lambda: store.put_many(items))
+        assert sum(written) == sum(served) and took < 0.5  # the other nodes still take writes
+        assert store.stats()["dropped_puts"] == 2 * len(lost)
+    finally:
+        os.kill(cluster[2].proc.pid, signal.SIGCONT)
 
 
 def test_tls_form_is_passed_to_the_client(server, monkeypatch):

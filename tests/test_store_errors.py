@@ -54,7 +54,7 @@ def test_unwritable_directory(tmp_path):
 
 
 def test_store_directory_is_private(tmp_path):
-    with open_store(f"lmdb://{tmp_path}/new/store"):
+    with open_store(f"lmdb://{tmp_path}/new/store?capacity=1MiB"):
         pass
     assert stat.S_IMODE(os.stat(tmp_path / "new" / "store").st_mode) == 0o700
     for name in ("data.mdb", "lock.mdb"):
@@ -65,13 +65,13 @@ def test_existing_open_directory_is_tightened(tmp_path):
     path = tmp_path / "shared"
     path.mkdir(mode=0o755)
     os.chmod(path, 0o755)
-    with open_store(f"lmdb://{path}"):
+    with open_store(f"lmdb://{path}?capacity=1MiB"):
         pass
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
 
 
 def test_incompatible_format_version(tmp_path):
-    url = f"lmdb://{tmp_path}/db"
+    url = f"lmdb://{tmp_path}/db?capacity=1MiB"
     with open_store(url) as store:
         store.put(b"k", b"v")
     env = lmdb.open(f"{tmp_path}/db", max_dbs=8)
@@ -83,10 +83,126 @@ def test_incompatible_format_version(tmp_path):
         open_store(url)
 
 
-def test_capacity_smaller_than_one_entry(tmp_path):
+def test_capacity_too_small_for_a_store_and_entries_over_a_quarter(tmp_path):
     from kvoffload.store import EntryTooLargeError
 
-    with open_store(f"lmdb://{tmp_path}/db?capacity=1000") as store:
+    with pytest.raises(StoreConfigError, match="too small"):
+        open_store(f"lmdb://{tmp_path}/tiny?capacity=1000")
+    with open_store(f"lmdb://{tmp_path}/db?capacity=64KiB") as store:
         with pytest.raises(EntryTooLargeError, match="cannot fit"):
-            store.put(b"k", b"x" * 1000)  # + header bytes: over the cap
-        assert store.put(b"k", b"x" * 900)
+            store.put(b"k", b"x" * (16 * 1024 + 1))  # over a quarter of the capacity
+        assert store.put(b"k", b"x" * (16 * 1024))
+
+
+# -- sizes, fragments and passwords in URLs -----------------------------------------------------------
+
+def test_sizes_are_exact_and_bounded():
+    assert parse_size("0.5KiB") == 512
+    assert parse_size("1.000000000000000000000000000001TiB") == 1 << 40  # no float rounding either way
+    assert parse_size("0.0000000000009094947017729282379150390625TiB") == 1  # 2**-40 TiB, 40 decimals
+    assert parse_size(str(2**63 - 1)) == 2**63 - 1
+    assert parse_size("0" * 500 + "7") == 7
+    for text in (str(2**63), "9" * 400, "8589934592GiB", "9" * 5000 + ".5"):
+        with pytest.raises(StoreConfigError, match="too large"):
+            parse_size(text)
+    with pytest.raises(StoreConfigError, match="too large"):
+        parse_size(2**64)
+
+
+@pytest.mark.parametrize("text", ["nan", "NaN", "inf", "-inf", "Infinity", "1e3", "1e400", "0x10", "1.5.2GiB",
+                                  "\u0663", "", "GiB"])
+def test_sizes_that_are_not_numbers(text):
+    with pytest.raises(StoreConfigError, match="invalid capacity"):
+        parse_size(text, "capacity")
+
+
+def test_huge_capacity_in_a_url_is_a_config_error():
+    with pytest.raises(StoreConfigError, match="memory capacity .* too large"):
+        open_store("memory://?capacity=" + "9" * 400)
+    with pytest.raises(StoreConfigError, match="too large"):
+        open_store("tiered://?memory=1GiB&lmdb=/tmp/x&lmdb_capacity=" + "9" * 400)
+
+
+@pytest.mark.parametrize("url", ["lmdb:///data/kv#1?capacity=1GiB", "memory://?capacity=1GiB#x", "memory://#",
+                                 "tiered://?memory=1GiB&lmdb=/data/a#b"])
+def test_a_fragment_is_refused_not_dropped(url):
+    with pytest.raises(StoreConfigError, match="%23"):
+        open_store(url)
+
+
+def test_percent_encoded_hash_in_a_path(tmp_path):
+    with open_store(f"lmdb://{tmp_path}/kv%231?capacity=1MiB") as store:
+        store.put(b"k", b"v")
+    assert (tmp_path / "kv#1" / "data.mdb").exists()
+
+
+SECRET = "Sx7q"
+
+
+@pytest.mark.parametrize("url, message", [
+    (f"redis://u:{SECRET}@h:1/0?namespace=a&namespace=b", "given twice"),
+    (f"redix://u:{SECRET}@h:1/0", "unknown store scheme"),
+    (f"redix://u:p&{SECRET}@h:1/0", "unknown store scheme"),
+    (f"redix://us@er:{SECRET}@p{SECRET}@h:1/0", "unknown store scheme"),
+    (f"tiered://?memory=1GiB&redis=http://u:{SECRET}@h:1/0", "redis= takes"),
+    (f"tiered://?memory=1GiB&redis=http%3A%2F%2Fu%3A{SECRET}%40h%3A1%2F0", "redis= takes"),
+    (f"tiered://?redis=u:{SECRET}@h:1", "invalid store URL"),
+    (f"tiered://u:{SECRET}@h/?memory=1GiB", "needs lmdb="),
+    (f"memory://u:{SECRET}@h/", "takes no path"),
+    (f"redis://u:{SECRET}#x@h:1/0", "%23"),
+    (f"redis://u:{SECRET}@[::1/0", "invalid store URL"),
+    (f"u:{SECRET}@h:6379", "invalid store URL"),
+])
+def test_errors_never_show_a_password(url, message):
+    with pytest.raises(StoreConfigError, match=message) as exc:
+        open_store(url)
+    assert SECRET not in str(exc.value)
+
+
+def test_redact_url_keeps_what_is_not_a_password():
+    from urllib.parse import quote
+
+    from kvoffload.store.url import redact_url
+
+    for url, shown in [
+        ("redis://user:secret@host:6379/0", "redis://user:***@host:6379/0"),
+        ("redis://:secret@host/0?namespace=a", "redis://:***@host/0?namespace=a"),
+        ("rediss+cluster://u:pw@h1:1,h2:2/?namespace=x", "rediss+cluster://u:***@h1:1,h2:2/?namespace=x"),
+        ("redis://us@er:secret@host/0", "redis://us@er:***@host/0"),
+        ("redis://user:pa&ss@host:6379/0", "redis://user:***@host:6379/0"),
+        ("redis://user:p@ss@host/0", "redis://user:***@host/0"),
+        ("tiered://?memory=1GiB&redis=redis%3A%2F%2Fu%3Apw%40h%3A1%2F0",
+         "tiered://?memory=1GiB&redis=redis%3A%2F%2Fu%3A***%40h%3A1%2F0"),
+        ("tiered://?memory=1GiB&redis=redis://u:pw@h:1/0", "tiered://?memory=1GiB&redis=redis://u:***@h:1/0"),
+        ("tiered://?redis=" + quote("redis://u:p@w@h:1/0?namespace=n", safe="") + "&lmdb=/d",
+         "tiered://?redis=redis%3A%2F%2Fu%3A***%40h%3A1%2F0%3Fnamespace%3Dn&lmdb=/d"),
+    ] + [(url, url) for url in ("redis://host:6379/0", "lmdb:///data/kv?capacity=1GiB", "memory://?capacity=4GiB",
+                                "tiered://?memory=1GiB&lmdb=/x&lmdb_capacity=2GiB", "redis://user@host/0",
+                                "not a url")]:
+        assert redact_url(url) == shown, url
+
+
+def test_redact_url_never_leaks_a_password_character():
+    """Passwords made of marked chunks joined by URL delimiters, raw and %-encoded, top-level and
+    nested: no chunk may survive. Host text may go with the password (conservative), nothing else."""
+    import random
+    import re
+    from urllib.parse import quote
+
+    from kvoffload.store.url import redact_url
+
+    rng = random.Random(7)
+    delimiters = ["&", "@", ":", "/", "?", "%40", "%3A", "#", "=", "%", ",", "+", ";", "%2540", " "]
+    passwords = ["pa&ss", "p@ss", "p:ss", "pa/ss", "p?ss", "p%40ss", "a@b:c/d?e&f%40g"]
+    passwords += ["".join(f"{d}{c}" for c in ("pa", "ss", "wd")[: rng.randint(1, 3)] for d in rng.choices(delimiters))
+                  + rng.choice(delimiters + [""]) for _ in range(300)]
+    for password in passwords:
+        marked = re.sub(r"[a-z]+", lambda m: "Q" + m.group(0) + "Z", password)  # every letter run is secret
+        for user in ("user", "", "us@er", "us%40er"):
+            inner = f"redis://{user}:{marked}@host:6379/0"
+            for url in (inner, f"tiered://?memory=1GiB&redis={inner}", f"tiered://?redis={inner}&memory=1GiB",
+                        f"tiered://?memory=1GiB&redis={quote(inner, safe='')}",
+                        f"tiered://?memory=1GiB&redis={quote(quote(inner, safe=''), safe='')}"):
+                shown = redact_url(url)
+                assert not re.search(r"Q[a-z]+Z", shown), (url, shown)
+                assert url.startswith("tiered") == ("memory=1GiB" in shown), (url, shown)

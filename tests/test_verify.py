@@ -139,7 +139,7 @@ def test_verify_command_refuses_bad_input(tmp_path, tiny_checkpoint):
 
 @pytest.mark.slow
 def test_demo_command(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "kvoffload.cli", "demo", "--store", f"lmdb://{tmp_path}/demo"],
+    out = subprocess.run([sys.executable, "-m", "kvoffload.cli", "demo", "--store", f"lmdb://{tmp_path}/demo?capacity=256MiB"],
                          env=subprocess_env(XDG_CACHE_HOME=tmp_path / "cache"), capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr

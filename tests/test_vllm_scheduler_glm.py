@@ -226,7 +226,7 @@ def glm_runs(tmp_path_factory):
 
     runs = {}
     for retention in (0, BLOCK):
-        store_url = f"lmdb://{tmp_path_factory.mktemp(f'store-r{retention}')}/store"
+        store_url = f"lmdb://{tmp_path_factory.mktemp(f'store-r{retention}')}/store?capacity=256MiB"
         vc, worker_cfg = _glm_vllm_config(retention, store_url)
         cold = _Engine(vc, worker_cfg)
         prompt = _prompt(retention)
@@ -464,7 +464,7 @@ def _connector(tmp_path, role_name="SCHEDULER", prefix_caching=True, **extra):
 
     from kvoffload.connectors.vllm import KVOffloadConnector
 
-    vllm_config, worker_cfg = _glm_vllm_config(0, f"lmdb://{tmp_path}/store", **extra)
+    vllm_config, worker_cfg = _glm_vllm_config(0, f"lmdb://{tmp_path}/store?capacity=256MiB", **extra)
     vllm_config.cache_config.enable_prefix_caching = prefix_caching
     return KVOffloadConnector(vllm_config, getattr(KVConnectorRole, role_name), worker_cfg)
 
@@ -485,7 +485,7 @@ def test_unsupported_spec_is_named_at_startup(tmp_path, monkeypatch):
 
     from kvoffload.spec import UnsupportedLayoutError
 
-    vllm_config, worker_cfg = _glm_vllm_config(0, f"lmdb://{tmp_path}/store")
+    vllm_config, worker_cfg = _glm_vllm_config(0, f"lmdb://{tmp_path}/store?capacity=256MiB")
     group = worker_cfg.kv_cache_groups[-1]
     group.kv_cache_spec = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=1, head_size=64,
                                             dtype=torch.bfloat16, sliding_window=128)
@@ -501,7 +501,7 @@ def test_worker_layout_stores_only_used_bytes(tmp_path):
     """The worker's view of the GLM allocation: tail group skipped, no page padding stored."""
     from kvoffload.spec import from_vllm
 
-    _, worker_cfg = _glm_vllm_config(0, f"lmdb://{tmp_path}/store")
+    _, worker_cfg = _glm_vllm_config(0, f"lmdb://{tmp_path}/store?capacity=256MiB")
     layout = from_vllm(worker_cfg)
     assert [g.kind for g in layout.groups].count(GroupKind.SKIP) == 1
     stored = layout.stored_bytes_per_block()

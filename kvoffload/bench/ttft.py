@@ -38,7 +38,7 @@ def run(quick: bool = False, block_size: int = 16, repeats: int = 3, progress=No
     config, model, model_id = load_model(default_model_dir("tiny"))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        stores = {"memory": open_store("memory://?capacity=1GiB"), "lmdb": open_store(f"lmdb://{tmp}/db")}
+        stores = {"memory": open_store("memory://?capacity=1GiB"), "lmdb": open_store(f"lmdb://{tmp}/db?capacity=1GiB")}
         for length in QUICK_LENGTHS if quick else FULL_LENGTHS:
             prompt = torch.randint(0, config.vocab_size, (length + 1,),
                                    generator=torch.Generator().manual_seed(length)).tolist()

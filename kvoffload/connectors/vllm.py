@@ -140,7 +140,7 @@ def rank_keys(keys: list[bytes], rank: int, size: int) -> list[bytes]:
 
 def _default_store() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return f"lmdb://{os.path.join(base, 'kvoffload', 'vllm-store')}?capacity=100GiB"
+    return f"lmdb://{os.path.join(base, 'kvoffload', 'vllm-store')}?capacity=16GiB"
 
 
 class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):

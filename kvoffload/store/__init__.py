@@ -19,7 +19,7 @@ from .url import parse_bool, parse_size, parse_url, redact_url
 
 REDIS_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
 DEFAULT_MEMORY_CAPACITY = "4GiB"
-DEFAULT_LMDB_CAPACITY = "100GiB"
+DEFAULT_LMDB_CAPACITY = "16GiB"  # allocated on disk at open (x1.31): a default must stay modest
 
 __all__ = ["Store", "open_store", "shared_store", "MemoryStore", "LMDBStore", "TieredStore", "StoreConfigError",
            "EntryTooLargeError", "IncompatibleStoreError", "parse_size"]
@@ -38,13 +38,14 @@ def open_store(url: str, *, fingerprint: bytes | str | None = None) -> Store:
     if parsed.scheme == "memory":
         opts = parsed.take({"capacity", "pinned"})
         if parsed.path not in ("", "/"):
-            raise StoreConfigError(f"memory:// takes no path, got {parsed.path!r} in {url!r}")
+            raise StoreConfigError(f"memory:// takes no path, got {redact_url(parsed.path)!r} in {redact_url(url)!r}")
         capacity = parse_size(opts.get("capacity", DEFAULT_MEMORY_CAPACITY), "memory capacity")
         return MemoryStore(capacity, pinned=_pinned(opts.get("pinned")), url=url)
     if parsed.scheme == "lmdb":
         opts = parsed.take({"capacity"})
         if not parsed.path:
-            raise StoreConfigError(f"lmdb:// needs an absolute directory, e.g. lmdb:///var/cache/kvoffload ({url!r})")
+            raise StoreConfigError("lmdb:// needs an absolute directory, e.g. lmdb:///var/cache/kvoffload "
+                                   f"({redact_url(url)!r})")
         capacity = parse_size(opts.get("capacity", DEFAULT_LMDB_CAPACITY), "lmdb capacity")
         return LMDBStore(parsed.path, capacity, fingerprint=fingerprint, url=url)
     if parsed.scheme in REDIS_SCHEMES:
@@ -53,14 +54,15 @@ def open_store(url: str, *, fingerprint: bytes | str | None = None) -> Store:
         return RedisStore(url, fingerprint=fingerprint)
     if parsed.scheme == "tiered":
         return _tiered(url, parsed.take({"memory", "lmdb", "lmdb_capacity", "pinned", "redis"}), fingerprint)
-    raise StoreConfigError(f"unknown store scheme {parsed.scheme!r} in {url!r}: use memory://, lmdb://, redis:// "
-                           "(rediss://, redis+cluster://) or tiered://")
+    raise StoreConfigError(f"unknown store scheme {parsed.scheme!r} in {redact_url(url)!r}: use memory://, lmdb://, "
+                           "redis:// (rediss://, redis+cluster://) or tiered://")
 
 
 def _tiered(url: str, opts: dict[str, str], fingerprint) -> Store:
     """Memory in front of LMDB, of Redis, or of LMDB in front of Redis (Redis is then the shared last tier)."""
     if "lmdb" not in opts and "redis" not in opts:
-        raise StoreConfigError(f"tiered:// needs lmdb=/abs/dir and/or redis=<URL> (and optionally memory=): {url!r}")
+        raise StoreConfigError("tiered:// needs lmdb=/abs/dir and/or redis=<URL> (and optionally memory=): "
+                               f"{redact_url(url)!r}")
     front = MemoryStore(parse_size(opts.get("memory", DEFAULT_MEMORY_CAPACITY), "memory capacity"),
                         pinned=_pinned(opts.get("pinned")))
     backs = []
@@ -69,7 +71,8 @@ def _tiered(url: str, opts: dict[str, str], fingerprint) -> Store:
                                                         "lmdb_capacity"), fingerprint=fingerprint))
     if "redis" in opts:
         if parse_url(opts["redis"]).scheme not in REDIS_SCHEMES:
-            raise StoreConfigError(f"tiered:// redis= takes a redis://, rediss:// or redis+cluster:// URL: {url!r}")
+            raise StoreConfigError("tiered:// redis= takes a redis://, rediss:// or redis+cluster:// URL: "
+                                   f"{redact_url(url)!r}")
         backs.append(open_store(opts["redis"], fingerprint=fingerprint))
     back = backs[0] if len(backs) == 1 else TieredStore(backs[0], backs[1])
     return TieredStore(front, back, url=redact_url(url))

@@ -110,17 +110,26 @@ class Store(ABC):
             for name, delta in deltas.items():
                 self._counters[name] += delta
 
+    max_key_bytes: int | None = None  # a tier's key length limit, if it has one
+
+    @property
+    def max_entry_bytes(self) -> int:
+        """The largest value this tier takes (with `overhead`, its per-entry header where it has one)."""
+        return self.capacity
+
     def _views(self, items: Iterable[tuple[bytes, Buffer]], overhead: int = 0) -> list[tuple[bytes, memoryview]]:
         """Validate a batch before anything is written, so a bad item loses nothing of the others."""
         out = []
         for key, value in items:
             if not isinstance(key, (bytes, bytearray)) or not key:
                 raise TypeError(f"keys are non-empty bytes, got {type(key).__name__}")
+            if self.max_key_bytes is not None and len(key) > self.max_key_bytes:
+                raise ValueError(f"a {len(key)}-byte key is longer than {self.url} takes ({self.max_key_bytes} bytes)")
             view = byte_view(value)
-            if view.nbytes + overhead > self.capacity:
+            if view.nbytes + overhead > self.max_entry_bytes:
                 raise EntryTooLargeError(
-                    f"a {view.nbytes}-byte value cannot fit in {self.url} (capacity {self.capacity} bytes); "
-                    "raise the capacity"
+                    f"a {view.nbytes}-byte value cannot fit in {self.url}: it takes entries up to "
+                    f"{self.max_entry_bytes} bytes (capacity {self.capacity} bytes); raise the capacity"
                 )
             out.append((bytes(key), view))
         return out

@@ -3,21 +3,35 @@ byte capacity enforced by LRU eviction, many reader processes beside one writer 
 
 Layout of the environment (four named databases, all updated in one transaction per batch):
   data: key -> payload            meta: key -> header (entry.py) + LRU tick (u64)
-  lru:  tick (big-endian u64) + key -> b""      info: format_version, tick, bytes_used
+  lru:  tick (big-endian u64) + key -> b""      info: format_version, tick, bytes_used, capacity
 The payload and its header live in separate records, so a page is copied into the map once.
 
-Why `writemap=True`: it brings writes to raw-disk speed (see BENCHMARKS.md). It is paired with full
-syncing (never NOSYNC) and with a map that grows in steps whose file range is allocated with
-`posix_fallocate` first, so a full disk is an error we see (fewer hits), never a SIGBUS in a hole.
-Under `writemap` LMDB also truncates the data file to the map size on every open and resize, so map
-changes are serialized across processes (`map.lock`) and no process ever sets a map smaller than the
-file: that would cut the file under another process's writable map.
+The map is sized once, at open, from the capacity (`map_size_for`), and its whole file range -- and the
+lock file's -- is allocated on disk (`posix_fallocate`) before LMDB may touch it: a full disk can never
+turn a write or a read into a SIGBUS, and no map ever grows at run time, so there is no resize protocol
+between processes. Why `writemap=True`: writes at raw-disk speed (see BENCHMARKS.md), paired with full
+syncing (never NOSYNC). Under `writemap` LMDB sets the file to the map size on open, so a process that
+finds the store open elsewhere adopts the file's size and only a process alone may change it.
+
+Capacity is charged per entry as the disk space it takes (payload and header rounded up to LMDB pages,
+plus its index records), computed from the stored record itself, never from an unverified header. An
+entry may take at most a quarter of the capacity, and a batch is committed in transactions of at most
+that many bytes: LMDB cannot reuse pages freed in the same transaction, and the map's headroom above the
+capacity is what such a transaction writes while its evictions are still pinned.
+
+Locks, always taken in this order (none is held while waiting for an earlier one):
+  1. `open.lock` (flock, exclusive): only while opening -- the damage checks, a reset, the map size;
+  2. `users.lock` (flock, shared while the store is open): a process alone may resize or reset;
+  3. `_write_lock` (this process's writers) -> LMDB's writer lock (other processes' writers);
+  4. `_touch_lock`, `_counter_lock`: leaves, held for a few dictionary operations.
+Readers take none of 1-3: read transactions never wait for a writer.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import glob
 import logging
 import os
 import stat
@@ -36,53 +50,56 @@ from .errors import IncompatibleStoreError, StoreConfigError
 
 log = logging.getLogger(__name__)
 
-DATA_FILE = "data.mdb"
-MAP_LOCK_FILE = "map.lock"
+DATA_FILE, LOCK_FILE, OPEN_LOCK, USERS_LOCK = "data.mdb", "lock.mdb", "open.lock", "users.lock"
+ACCOUNTING = b"pages-v2"  # how bytes_used is charged; a store counted otherwise is recounted at open
+ENTRY_FRACTION = 4  # an entry (and one write transaction) takes at most capacity / ENTRY_FRACTION
+MAX_KEY_BYTES = 500  # LMDB's key limit (511) less the LRU tick that prefixes a key in `lru`
 _U64 = struct.Struct(">Q")
 _TICK = struct.Struct("<Q")
 _META_BYTES = entry.HEADER_BYTES + _TICK.size
-_INITIAL_MAP = 64 << 20
-_MAP_SLACK = 16 << 20
-_MAX_GROWTH_STEP = 1 << 30
-# Bytes LMDB spends per entry beyond the payload (overflow-page rounding, three tree records),
-# used only to size the map, never the capacity.
-_PER_ENTRY_OVERHEAD = 4096 + 256
-_MAX_PENDING_TOUCHES = 4096  # a read-only process persists recency in batches of this many keys
+_INDEX_BYTES = 512  # an entry's records in the three B-trees (charged, with the payload's pages)
+_MAP_SLACK = 4 << 20  # meta pages, the free list, B-tree copies of a small store
+_LOCK_BYTES = 64 << 10  # the reader table: 64-byte slots for max_readers, allocated up front
+_OPEN_WAIT_SECONDS = 60.0
+_DISK_RESERVE = 20  # never take the last 1/20 of a filesystem's space at open
+_MIN_MAP = _MAP_SLACK + (1 << 20)
+MIN_CAPACITY = 64 << 10
+# An open that finds these has a damaged file (not a permission or I/O problem): reset it.
+_DAMAGE = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError, lmdb.PanicError,
+           lmdb.IncompatibleError, lmdb.BadValsizeError, lmdb.BadChecksumError, lmdb.ProblemError)
 
 
-class _SharedExclusiveLock:
-    """Readers in parallel; `set_mapsize` alone (LMDB requires no open transaction in the process)."""
+def map_size_for(capacity: int) -> int:
+    """The data file's size for a capacity: the capacity, a transaction's worth of pages that its own
+    evictions cannot yet free (1/4), B-tree copy-on-write (1/16), and a fixed slack."""
+    return capacity + capacity // ENTRY_FRACTION + capacity // 16 + _MAP_SLACK
 
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._writer = False
 
-    @contextmanager
-    def shared(self):
-        with self._cond:
-            while self._writer:
-                self._cond.wait()
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                self._cond.notify_all()
+def entry_charge(nbytes: int, psize: int = 4096) -> int:
+    """Disk space an entry takes, charged against the capacity: its payload in overflow pages (one
+    16-byte page header), plus its index records."""
+    return -(-(nbytes + 16) // psize) * psize + _INDEX_BYTES
 
-    @contextmanager
-    def exclusive(self):
-        with self._cond:
-            while self._writer or self._readers:
-                self._cond.wait()
-            self._writer = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._writer = False
-                self._cond.notify_all()
+
+def capacity_for_map(map_size: int) -> int:
+    """The largest capacity `map_size_for` fits in `map_size` (a map cut short by a full disk)."""
+    return max(0, (map_size - _MAP_SLACK) * 16 // 21)
+
+
+class _Damaged(Exception):
+    """The data file cannot be used as it is (truncated, a damaged page, a foreign file)."""
+
+
+def _mkdir_private(path: str) -> None:
+    """Create `path` and every missing parent 0700, whatever the umask."""
+    parent = os.path.dirname(path)
+    if parent != path and not os.path.exists(parent):
+        _mkdir_private(parent)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        return
+    os.chmod(path, 0o700)
 
 
 def prepare_directory(path: str) -> None:
@@ -90,21 +107,26 @@ def prepare_directory(path: str) -> None:
     if not os.path.isabs(path):
         raise StoreConfigError(f"LMDB store path must be absolute, got {path!r} (use lmdb:///abs/dir)")
     try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-    except FileExistsError:
-        raise StoreConfigError(f"LMDB store path {path!r} exists and is not a directory") from None
+        _mkdir_private(path)
+    except NotADirectoryError:
+        raise StoreConfigError(f"LMDB store path {path!r} has a file where a directory should be") from None
     except OSError as exc:
         raise StoreConfigError(f"cannot create LMDB store directory {path!r}: {exc.strerror}") from None
     if not os.path.isdir(path):
         raise StoreConfigError(f"LMDB store path {path!r} exists and is not a directory")
-    mode = stat.S_IMODE(os.stat(path).st_mode)
-    if mode & 0o077:
+    _tighten(path, 0o700, "store directory")
+    for name in (DATA_FILE, LOCK_FILE):
+        file = os.path.join(path, name)
         try:
-            os.chmod(path, 0o700)
-            log.warning("tightened permissions of store directory %s from %o to 700", path, mode)
-        except OSError as exc:
-            raise StoreConfigError(f"store directory {path!r} is readable by others and cannot be "
-                                   f"made private: {exc.strerror}") from None
+            info = os.lstat(file)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(info.st_mode):
+            raise StoreConfigError(f"{file} is a symlink or not a regular file; an LMDB store keeps its own "
+                                   "files (remove it or use another directory)")
+        if not os.access(file, os.R_OK | os.W_OK):
+            raise StoreConfigError(f"cannot read and write {file}: permission denied (fix its owner or mode)")
+        _tighten(file, 0o600, "store file")
     probe = os.path.join(path, f".write-probe-{os.getpid()}")
     try:
         with open(probe, "wb"):
@@ -114,249 +136,372 @@ def prepare_directory(path: str) -> None:
         raise StoreConfigError(f"LMDB store directory {path!r} is not writable: {exc.strerror}") from None
 
 
+def _tighten(path: str, mode: int, what: str) -> None:
+    current = stat.S_IMODE(os.stat(path).st_mode)
+    if current & 0o077:
+        try:
+            os.chmod(path, current & mode)
+        except OSError as exc:
+            raise StoreConfigError(f"{what} {path!r} is readable by others and cannot be made private: "
+                                   f"{exc.strerror}") from None
+        log.warning("tightened permissions of %s %s from %o to %o", what, path, current, current & mode)
+
+
+def _allocate(path: str, nbytes: int) -> bool:
+    """Reserve disk blocks for the first `nbytes` of a file; False if the disk is full."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return False
+        raise
+    finally:
+        os.close(fd)
+
+
 class LMDBStore(Store):
+    max_key_bytes = MAX_KEY_BYTES
+
     def __init__(self, path: str, capacity: int, fingerprint: bytes | None = None,
                  url: str | None = None, max_readers: int = 256):
         super().__init__()
         self._count(checksum_failures=0, read_errors=0)
         self._env = None
+        self._users = None
         self.path = path
-        self.capacity = capacity
+        self.configured_capacity = self.capacity = capacity
         self.url = url or f"lmdb://{path}?capacity={capacity}"
         self.fingerprint = entry.normalize_fingerprint(fingerprint)
-        self._max_map = capacity + capacity // 4 + _MAP_SLACK
-        self._resize = _SharedExclusiveLock()
+        self._max_readers = max_readers
         self._write_lock = threading.Lock()
         self._pending_touches: dict[bytes, None] = {}
         self._touch_lock = threading.Lock()
+        self._warned: set[str] = set()
+        if capacity < MIN_CAPACITY:
+            raise StoreConfigError(f"LMDB capacity {capacity} bytes is too small: at least {MIN_CAPACITY >> 10} KiB")
         prepare_directory(path)
-        self._check_not_truncated()
-        self._env = self._open_env(max_readers)
-        self._env.reader_check()  # free reader slots left by killed processes
-        self._data, self._meta, self._lru, self._info = (
-            self._env.open_db(name) for name in (b"data", b"meta", b"lru", b"info"))
-        self._check_format_version()
+        self._users = os.open(os.path.join(path, USERS_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            with self._open_lock():
+                alone = self._try_flock(fcntl.LOCK_EX)
+                try:
+                    self._open(alone)
+                finally:
+                    fcntl.flock(self._users, fcntl.LOCK_SH)  # held while open (downgrades EX)
+        except BaseException:
+            self.close()
+            raise
 
     # -- opening ------------------------------------------------------------------------------------
-    def _data_path(self) -> str:
-        return os.path.join(self.path, DATA_FILE)
+    def _file(self, name: str) -> str:
+        return os.path.join(self.path, name)
 
-    def _check_not_truncated(self) -> None:
-        """A data file shorter than its committed pages cannot be mapped safely (reads past the end
-        of a mapping kill the process). Move it aside and start empty: every key is then a miss."""
-        data = self._data_path()
-        if not os.path.exists(data):
-            return
-        size = os.path.getsize(data)
+    @contextmanager
+    def _open_lock(self):
+        """Opens of one directory take turns (a bounded wait: a hung opener is an error, not a hang)."""
+        fd = os.open(self._file(OPEN_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            probe = lmdb.open(self.path, readonly=True, lock=False, max_dbs=8)
-            try:
-                needed = (probe.info()["last_pgno"] + 1) * probe.stat()["psize"]
-            finally:
-                probe.close()
+            deadline = time.monotonic() + _OPEN_WAIT_SECONDS
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise StoreConfigError(f"LMDB store {self.path!r}: another process has been opening it "
+                                               f"for over {_OPEN_WAIT_SECONDS:.0f} s") from None
+                    time.sleep(0.01)
+            yield
+        finally:
+            os.close(fd)
+
+    def _try_flock(self, mode: int) -> bool:
+        try:
+            fcntl.flock(self._users, mode | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+
+    def _open(self, alone: bool) -> None:
+        try:
+            self._open_env(alone)
+        except _Damaged as exc:
+            if not alone:
+                raise StoreConfigError(f"LMDB store {self.path!r} is damaged ({exc}) and other processes have it "
+                                       "open: stop them and open it again (it is then reset), or use another "
+                                       "directory") from None
+            self._move_aside(str(exc))
+            self._open_env(alone)
+
+    def _open_env(self, alone: bool) -> None:
+        data = self._file(DATA_FILE)
+        size = os.path.getsize(data) if os.path.exists(data) else 0
+        # Alone, the map follows the capacity (never below the file: LMDB cannot shrink it); otherwise
+        # it is the file's size, which every other user has mapped.
+        map_size = max(size, self._affordable(map_size_for(self.configured_capacity), size)) if alone or not size \
+            else size
+        if not _allocate(self._file(LOCK_FILE), _LOCK_BYTES):
+            raise StoreConfigError(f"LMDB store {self.path!r}: the disk is full (cannot create its lock file)")
+        try:
+            env = lmdb.open(self.path, map_size=map_size, subdir=True, max_dbs=8, mode=0o600,
+                            # readahead: values are large runs of overflow pages, read sequentially
+                            writemap=True, sync=True, metasync=True, readahead=True,
+                            max_readers=self._max_readers, lock=True)
+        except lmdb.VersionMismatchError as exc:
+            raise IncompatibleStoreError(f"{data} was written by an incompatible LMDB version: {exc}") from None
+        except _DAMAGE as exc:
+            raise _Damaged(str(exc)) from None
         except lmdb.Error as exc:
-            if isinstance(exc, lmdb.VersionMismatchError):
-                raise IncompatibleStoreError(f"{data} was written by an incompatible LMDB version: {exc}") from None
-            needed, reason = None, str(exc)
-        else:
-            reason = f"{size} bytes on disk, {needed} committed"
-        if needed is not None and size >= needed:
-            return
+            raise StoreConfigError(f"cannot open LMDB store {self.path!r}: {exc}") from None
+        self._env = env
+        try:
+            self._psize = env.stat()["psize"]
+            info = env.info()
+            committed = (info["last_pgno"] + 1) * self._psize
+            if size and size < committed:  # cut short: reads past its end would kill the process
+                raise _Damaged(f"{size} bytes on disk, {committed} committed")
+            self._back_map(info["map_size"], max(committed, size), alone)
+            self._data, self._meta, self._lru, self._info = (env.open_db(n) for n in (b"data", b"meta", b"lru", b"info"))
+            self._check_format()
+        except _DAMAGE as exc:
+            self._close_env()
+            raise _Damaged(str(exc)) from None
+        except BaseException:
+            self._close_env()
+            raise
+
+    def _affordable(self, target: int, size: int) -> int:
+        """`target`, or less when the filesystem's free space (keeping a reserve) cannot back it."""
+        fs = os.statvfs(self.path)
+        room = fs.f_bavail * fs.f_frsize - fs.f_blocks * fs.f_frsize // _DISK_RESERVE
+        if target - size <= room:
+            return target
+        cut = max(_MIN_MAP, size + max(room, 0)) >> 20 << 20
+        self._disk_full(f"the filesystem has {max(room, 0) >> 20} MiB to spare for a {target >> 20} MiB map")
+        return min(cut, target)
+
+    def _back_map(self, map_size: int, floor: int, alone: bool) -> None:
+        """Allocate the map's whole file range (halving the growth on ENOSPC); the capacity follows."""
+        size = map_size
+        while not _allocate(self._file(DATA_FILE), size):
+            gap = (size - floor) // 2
+            if not alone or size <= floor or gap < (1 << 20):
+                raise StoreConfigError(f"LMDB store {self.path!r}: the disk is full (cannot reserve "
+                                       f"{size >> 20} MiB for its data file)")
+            size = floor + gap
+        if size < map_size:
+            self._disk_full(f"only {size >> 20} MiB of a {map_size >> 20} MiB map could be reserved")
+            self._env.set_mapsize(size)
+        self.capacity = min(self.configured_capacity, capacity_for_map(size))
+        if self.capacity < self.configured_capacity:
+            log.warning("LMDB store %s: capacity %d bytes instead of %d (the data file is %d bytes)", self.path,
+                        self.capacity, self.configured_capacity, size)
+        if self.capacity < MIN_CAPACITY:
+            raise StoreConfigError(f"LMDB store {self.path!r}: the disk is full (room for {self.capacity} bytes of "
+                                   "entries only)")
+
+    def _disk_full(self, why: str) -> None:
+        log.warning("LMDB store %s: disk full: %s; the store holds less", self.path, why)
+        self._count(disk_full=1)
+
+    def _check_format(self) -> None:
+        """The format version (a damaged record is a damaged file), the capacity record, and the byte
+        accounting, recounted from the stored records when it is missing, damaged or of another kind."""
+        with self._env.begin(write=True, buffers=True) as txn:
+            stored = txn.get(b"format_version", db=self._info)
+            if stored is None:
+                if txn.stat(self._data)["entries"]:
+                    raise _Damaged("entries without a format version")
+                txn.put(b"format_version", _U64.pack(entry.FORMAT_VERSION), db=self._info)
+                txn.put(b"accounting", ACCOUNTING, db=self._info)
+            elif len(stored) != _U64.size:
+                raise _Damaged("a damaged format version record")
+            elif _U64.unpack(stored)[0] != entry.FORMAT_VERSION:
+                version = _U64.unpack(stored)[0]
+                raise IncompatibleStoreError(
+                    f"LMDB store {self.path!r} has format version {version}; this kvoffload reads version "
+                    f"{entry.FORMAT_VERSION}. Point the store at a new directory (or delete this one).")
+            if txn.get(b"accounting", db=self._info) != ACCOUNTING:
+                self._recount(txn)
+            else:
+                self._read_counters(txn)  # recounts a damaged counter record
+            txn.put(b"capacity", _U64.pack(self.configured_capacity), db=self._info)
+
+    def _move_aside(self, reason: str) -> None:
+        """Keep the damaged file for inspection (only the latest: each is as large as the map)."""
+        data = self._file(DATA_FILE)
+        for old in glob.glob(f"{glob.escape(data)}.damaged-*"):
+            os.unlink(old)
         aside = f"{data}.damaged-{int(time.time())}"
         os.replace(data, aside)
         log.error("LMDB store %s is damaged (%s); moved it to %s and starting empty", self.path, reason, aside)
         self._count(damaged_files_reset=1)
 
-    @contextmanager
-    def _map_lock(self):
-        """Exclusive across processes and threads (each call opens its own file description)."""
-        fd = os.open(os.path.join(self.path, MAP_LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
+    # -- accounting ---------------------------------------------------------------------------------
+    def _charge(self, nbytes: int) -> int:
+        return entry_charge(nbytes, self._psize)
 
-    def _file_size(self) -> int:
-        return os.path.getsize(self._data_path()) if os.path.exists(self._data_path()) else 0
+    @property
+    def max_entry_bytes(self) -> int:
+        return self.capacity // ENTRY_FRACTION
 
-    def _open_env(self, max_readers: int) -> lmdb.Environment:
-        with self._map_lock():
-            size = self._file_size()
-            map_size = max(size, min(_INITIAL_MAP, self._max_map))
-            try:
-                env = lmdb.open(self.path, map_size=map_size, subdir=True, max_dbs=8, mode=0o600,
-                                # readahead: values are large runs of overflow pages, read sequentially
-                                writemap=True, sync=True, metasync=True, readahead=True,
-                                max_readers=max_readers, lock=True)
-            except lmdb.Error as exc:
-                raise StoreConfigError(f"cannot open LMDB store {self.path!r}: {exc}") from None
-            # LMDB has just extended the file to the map size as a sparse file: back it with real blocks.
-            info = env.info()
-            committed = (info["last_pgno"] + 1) * env.stat()["psize"]
-            allocated = self._allocate_up_to(info["map_size"], floor=max(committed, size))
-            if allocated < info["map_size"]:
-                env.set_mapsize(allocated)
-        return env
+    def _read_counters(self, txn) -> tuple[int, int]:
+        """(tick, bytes_used); damaged records are rebuilt from the stored entries in `txn`."""
+        tick, used = txn.get(b"tick", db=self._info), txn.get(b"bytes_used", db=self._info)
+        if (tick is not None and len(tick) != 8) or (used is not None and len(used) != 8) or \
+                (used is None and txn.stat(self._data)["entries"]):
+            return self._recount(txn)
+        return (_U64.unpack(tick)[0] if tick else 0, _U64.unpack(used)[0] if used else 0)
 
-    def _allocate_up_to(self, target: int, floor: int) -> int:
-        """The largest size in [floor, target] (halving the gap on ENOSPC) whose file range is backed
-        by disk blocks, so that LMDB never writes into a hole the disk cannot fill."""
-        size = target
-        while size > floor:
-            if self._allocate_file(size):
-                return size
-            gap = (size - floor) // 2
-            size = floor + gap if gap >= (1 << 20) else floor
-        if target > floor:
-            # said once per store; every occurrence is counted in stats()["disk_full"]
-            (log.debug if self._counters.get("disk_full") else log.warning)(
-                "LMDB store %s: disk full, cannot grow the store to %d bytes; evicting instead", self.path, target)
-            self._count(disk_full=1)
-        return floor
+    def _recount(self, txn) -> tuple[int, int]:
+        used = sum(self._charge(len(value)) for _, value in txn.cursor(db=self._data))
+        cursor = txn.cursor(db=self._lru)
+        tick = _U64.unpack(bytes(cursor.key()[:8]))[0] if cursor.last() and len(cursor.key()) >= 8 else 0
+        txn.put(b"accounting", ACCOUNTING, db=self._info)
+        self._put_counters(txn, tick, used)
+        log.info("LMDB store %s: byte accounting rebuilt from its entries (%d bytes in use)", self.path, used)
+        return tick, used
 
-    def _allocate_file(self, nbytes: int) -> bool:
-        """Reserve disk blocks for the first `nbytes` of the data file; False if the disk is full."""
-        fd = os.open(self._data_path(), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, nbytes)
-            return True
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                return False
-            raise
-        finally:
-            os.close(fd)
-
-    def _check_format_version(self) -> None:
-        with self._txn(write=True) as txn:
-            stored = txn.get(b"format_version", db=self._info)
-            if stored is None:
-                txn.put(b"format_version", _U64.pack(entry.FORMAT_VERSION), db=self._info)
-                return
-            version = _U64.unpack(bytes(stored))[0]
-        if version != entry.FORMAT_VERSION:
-            self._env.close()
-            raise IncompatibleStoreError(
-                f"LMDB store {self.path!r} has format version {version}; this kvoffload reads version "
-                f"{entry.FORMAT_VERSION}. Point the store at a new directory (or delete this one).")
-
-    @contextmanager
-    def _txn(self, write: bool = False):
-        """A transaction, adopting a map another process has grown meanwhile."""
-        for _ in range(3):
-            with self._resize.shared():
-                try:
-                    txn = self._env.begin(write=write, buffers=True)
-                except lmdb.MapResizedError:
-                    pass
-                else:
-                    with txn:
-                        yield txn
-                    return
-            # another process grew the map: adopt the file's size (never less: see the module doc)
-            with self._resize.exclusive(), self._map_lock():
-                self._env.set_mapsize(max(self._file_size(), self._env.info()["map_size"]))
-        raise lmdb.MapResizedError("map resized repeatedly by other processes")
+    def _put_counters(self, txn, tick: int, used: int) -> None:
+        txn.put(b"tick", _U64.pack(tick), db=self._info)
+        txn.put(b"bytes_used", _U64.pack(max(used, 0)), db=self._info)
 
     # -- writes -------------------------------------------------------------------------------------
     def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
-        views = self._views(items, overhead=_META_BYTES)
-        if not views:
-            return []
-        headers = [entry.encode_header(self.fingerprint, v) for _, v in views]
-        batch_bytes = sum(v.nbytes + _PER_ENTRY_OVERHEAD for _, v in views)
+        views = self._views(items)
+        written = [False] * len(views)
+        latest: dict[bytes, int] = {}  # key -> index of its value now in the store (this batch)
         with self._write_lock:
-            for attempt in range(8):
-                try:
-                    self._write_batch(views, headers)
-                    self._count(puts=len(views), put_bytes=sum(v.nbytes for _, v in views))
-                    return [True] * len(views)
-                except lmdb.MapFullError:
-                    if not self._grow(batch_bytes) and not self._evict_bytes(batch_bytes * (attempt + 1)):
-                        break
-                except (lmdb.Error, OSError) as exc:  # a failed write is a dropped write, never a crash
-                    log.error("LMDB store %s: write failed: %s", self.path, exc)
+            for chunk in self._chunks(views):
+                self._put_chunk(views, chunk, written, latest)
+        ok = sum(written)
+        self._count(puts=ok, put_bytes=sum(v.nbytes for (_, v), w in zip(views, written) if w),
+                    dropped_puts=len(views) - ok)
+        return written
+
+    def _chunks(self, views) -> list[list[int]]:
+        """Consecutive runs charged at most `max_entry_bytes` (one write transaction each)."""
+        chunks, size = [], self.max_entry_bytes
+        for i, (_, view) in enumerate(views):
+            charge = self._charge(view.nbytes)
+            if size + charge > self.max_entry_bytes:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(i)
+            size += charge
+        return chunks
+
+    def _put_chunk(self, views, chunk: list[int], written: list[bool], latest: dict[bytes, int]) -> None:
+        need = sum(self._charge(views[i][1].nbytes) for i in chunk)
+        for attempt in range(6):
+            events: list = []
+            try:
+                with self._env.begin(write=True, buffers=True) as txn:
+                    self._write_chunk(txn, views, chunk, events)
+                self._replay(views, events, written, latest)
+                return
+            except lmdb.MapFullError:
+                # Free pages are scattered (or pinned by a reader's snapshot): evict more, committed
+                # first, so the next try finds runs of free pages.
+                events = []
+                if not self._evict_committed(need << attempt, events):
                     break
-        self._count(dropped_puts=len(views))
-        return [False] * len(views)
+                self._replay(views, events, written, latest)
+            except (lmdb.Error, OSError) as exc:  # a failed write is a dropped write, never a crash
+                self._warn_once("write", "LMDB store %s: write failed: %s", self.path, exc)
+                break
+        self._warn_once("dropped", "LMDB store %s: %d entries dropped: no room in the map after evicting (counted "
+                        "in dropped_puts)", self.path, len(chunk))
 
-    def _write_batch(self, views, headers) -> None:
-        with self._txn(write=True) as txn:
-            tick, used = self._counters_in(txn)
-            tick = self._apply_touches(txn, tick)
-            for (key, view), header in zip(views, headers):
-                used -= self._remove(txn, key)
-                need = view.nbytes + _META_BYTES
-                while used + need > self.capacity:
-                    freed = self._evict_oldest(txn)
-                    if not freed:
-                        raise lmdb.MapFullError("capacity exhausted")  # cannot happen: sizes were validated
-                    used -= freed
-                tick += 1
-                txn.put(key, view, db=self._data)
-                txn.put(key, header + _TICK.pack(tick), db=self._meta)
-                txn.put(_U64.pack(tick) + key, b"", db=self._lru)
-                used += need
-            txn.put(b"tick", _U64.pack(tick), db=self._info)
-            txn.put(b"bytes_used", _U64.pack(used), db=self._info)
+    def _write_chunk(self, txn, views, chunk: list[int], events: list) -> None:
+        tick, used = self._read_counters(txn)
+        tick = self._apply_touches(txn, tick)
+        for i in chunk:
+            key, view = views[i]
+            freed = self._remove(txn, key)
+            if freed is not None:
+                events.append(key)
+                used -= freed
+            need = self._charge(view.nbytes)
+            while used + need > self.capacity:
+                victim, freed = self._evict_oldest(txn)
+                if victim is None:  # nothing left to evict: the count had drifted
+                    used = 0
+                    break
+                events.append(victim)
+                used -= freed
+            tick += 1
+            txn.put(key, view, db=self._data)
+            txn.put(key, entry.encode_header(self.fingerprint, view) + _TICK.pack(tick), db=self._meta)
+            txn.put(_U64.pack(tick) + key, b"", db=self._lru)
+            used += need
+            events.append(i)
+        self._put_counters(txn, tick, used)
 
-    def _counters_in(self, txn) -> tuple[int, int]:
-        tick = txn.get(b"tick", db=self._info)
-        used = txn.get(b"bytes_used", db=self._info)
-        return (_U64.unpack(bytes(tick))[0] if tick else 0, _U64.unpack(bytes(used))[0] if used else 0)
+    @staticmethod
+    def _replay(views, events: list, written: list[bool], latest: dict[bytes, int]) -> None:
+        """Apply a committed transaction's events in order -- an index written, a key removed (evicted
+        or overwritten) -- so an entry this batch wrote and then lost reports False."""
+        for event in events:
+            if isinstance(event, int):
+                written[event] = True
+                latest[views[event][0]] = event
+            elif event in latest:
+                written[latest.pop(event)] = False
 
-    def _remove(self, txn, key: bytes) -> int:
-        """Delete `key`'s three records in `txn`; the bytes it counted against the capacity."""
+    def _remove(self, txn, key: bytes) -> int | None:
+        """Delete `key`'s records in `txn`: the bytes it was charged (from the stored payload itself),
+        or None if it was not there."""
+        payload = txn.get(key, db=self._data)
         meta = txn.get(key, db=self._meta)
-        if meta is None:
-            return 0
-        meta = bytes(meta)
-        header = entry.decode_header(meta)
+        if payload is None and meta is None:
+            return None
+        freed = self._charge(len(payload)) if payload is not None else 0
         txn.delete(key, db=self._data)
-        txn.delete(key, db=self._meta)
-        if len(meta) == _META_BYTES:
-            txn.delete(_U64.pack(_TICK.unpack(meta[entry.HEADER_BYTES:])[0]) + key, db=self._lru)
-        return (header.length if header else 0) + _META_BYTES
-
-    def _evict_oldest(self, txn) -> int:
-        cursor = txn.cursor(db=self._lru)
-        if not cursor.first():
-            return 0
-        key = bytes(cursor.key())[_U64.size:]
-        freed = self._remove(txn, key)
-        if not freed:  # an lru record without its entry: drop it and report progress anyway
-            cursor.delete()
-            freed = 1
-        self._count(evictions=1, evicted_bytes=freed)
+        if meta is not None:
+            if len(meta) == _META_BYTES:
+                txn.delete(_U64.pack(_TICK.unpack(meta[entry.HEADER_BYTES:])[0]) + key, db=self._lru)
+            txn.delete(key, db=self._meta)
         return freed
 
-    def _evict_bytes(self, nbytes: int) -> bool:
-        """Free at least `nbytes` of entries (oldest first) to make room in a map that cannot grow."""
-        freed = 0
-        with self._txn(write=True) as txn:
-            tick, used = self._counters_in(txn)
-            while freed < nbytes:
-                step = self._evict_oldest(txn)
-                if not step:
-                    break
-                freed += step
-            txn.put(b"bytes_used", _U64.pack(max(used - freed, 0)), db=self._info)
-        return freed > 0
+    def _evict_oldest(self, txn) -> tuple[bytes | None, int]:
+        """Remove the least recently used entry: (its key, bytes freed); (None, 0) when empty."""
+        for db in (self._lru, self._data):  # an entry without its LRU record goes too, after the rest
+            cursor = txn.cursor(db=db)
+            if not cursor.first():
+                continue
+            key = bytes(cursor.key())
+            if db is self._lru:
+                cursor.delete()
+                key = key[_U64.size:]
+            freed = self._remove(txn, key) or 0
+            self._count(evictions=1, evicted_bytes=freed)
+            return key, freed
+        return None, 0
 
-    def _grow(self, batch_bytes: int) -> bool:
-        with self._map_lock():
-            current = self._env.info()["map_size"]
-            target = self._file_size()  # another process may have grown (and allocated) it already
-            if target <= current:
-                target = min(current + max(2 * batch_bytes, min(current, _MAX_GROWTH_STEP)), self._max_map)
-                target = self._allocate_up_to(target, floor=current)
-                if target <= current:
-                    return False
-            with self._resize.exclusive():
-                self._env.set_mapsize(target)
-        log.debug("LMDB store %s: map grown to %d bytes", self.path, target)
-        return True
+    def _evict_committed(self, nbytes: int, events: list) -> bool:
+        """Free at least `nbytes` (oldest first) in a transaction of its own; False if nothing was left."""
+        try:
+            with self._env.begin(write=True, buffers=True) as txn:
+                tick, used = self._read_counters(txn)
+                freed = 0
+                while freed < nbytes:
+                    victim, step = self._evict_oldest(txn)
+                    if victim is None:
+                        break
+                    events.append(victim)
+                    freed += step
+                self._put_counters(txn, tick, used - freed)
+        except lmdb.Error as exc:
+            self._warn_once("evict", "LMDB store %s: cannot evict: %s", self.path, exc)
+            return False
+        return bool(events)
+
+    def _warn_once(self, what: str, message: str, *args) -> None:
+        (log.debug if what in self._warned else log.warning)(message, *args)
+        self._warned.add(what)
 
     # -- LRU touches --------------------------------------------------------------------------------
     def _touch(self, keys: Sequence[bytes]) -> None:
@@ -380,18 +525,23 @@ class LMDBStore(Store):
             txn.put(_U64.pack(tick) + key, b"", db=self._lru)
         return tick
 
-    def flush(self) -> None:
-        """Persist pending LRU recency (done by every write, by `close`, and every few thousand reads)."""
-        if self._pending_touches:
-            with self._write_lock, self._txn(write=True) as txn:
-                tick, _ = self._counters_in(txn)
-                txn.put(b"tick", _U64.pack(self._apply_touches(txn, tick)), db=self._info)
-
-    def _persist_touches(self) -> None:
+    def flush(self, wait: bool = True) -> None:
+        """Persist pending LRU recency (done by every write, by `close`, and every few thousand reads;
+        a reader does not wait for a writer: `wait=False` leaves the touches to that writer)."""
+        if not self._pending_touches or not self._write_lock.acquire(blocking=wait):
+            return
         try:
-            self.flush()
+            with self._env.begin(write=True, buffers=True) as txn:
+                tick, used = self._read_counters(txn)
+                self._put_counters(txn, self._apply_touches(txn, tick), used)
+        finally:
+            self._write_lock.release()
+
+    def _persist_touches(self, wait: bool) -> None:
+        try:
+            self.flush(wait)
         except (lmdb.Error, OSError) as exc:  # recency is advisory: losing it must not fail a read
-            log.warning("LMDB store %s: could not persist LRU order: %s", self.path, exc)
+            self._warn_once("touch", "LMDB store %s: could not persist LRU order: %s", self.path, exc)
 
     # -- reads --------------------------------------------------------------------------------------
     def read_many(self, keys: Sequence[bytes], consume: Callable[[int, memoryview], None]) -> list[bool]:
@@ -399,7 +549,7 @@ class LMDBStore(Store):
         bad: dict[bytes, str] = {}
         nbytes = 0
         try:
-            with self._txn() as txn:
+            with self._env.begin(buffers=True) as txn:
                 for i, key in enumerate(keys):
                     meta = txn.get(key, db=self._meta)
                     if meta is None:
@@ -412,15 +562,15 @@ class LMDBStore(Store):
                     consume(i, payload)
                     served[i] = True
                     nbytes += payload.nbytes
-        except lmdb.Error as exc:  # a damaged tree: what was not served is a miss
-            log.error("LMDB store %s: read failed: %s", self.path, exc)
+        except lmdb.Error as exc:  # a damaged tree, a full reader table: what was not served is a miss
+            self._warn_once("read", "LMDB store %s: read failed: %s", self.path, exc)
             self._count(read_errors=1)
         hits = sum(served)
         self._count(hits=hits, misses=len(keys) - hits, get_bytes=nbytes)
         if hits:
             self._touch([k for k, ok in zip(keys, served) if ok])
-            if len(self._pending_touches) >= _MAX_PENDING_TOUCHES:
-                self._persist_touches()
+            if len(self._pending_touches) >= 4096:  # a read-only process persists recency in batches
+                self._persist_touches(wait=False)
         if bad:
             self._drop_bad(bad)
         return served
@@ -431,42 +581,51 @@ class LMDBStore(Store):
             self._count(**{problem: 1})
             log.warning("LMDB store %s: entry failed verification (%s); treated as a miss", self.path, problem)
         doomed = [k for k, p in bad.items() if p != "fingerprint_mismatch"]
-        if not doomed:
-            return
-        try:
-            with self._write_lock, self._txn(write=True) as txn:
-                tick, used = self._counters_in(txn)
-                for key in doomed:
-                    used -= self._remove(txn, key)
-                txn.put(b"bytes_used", _U64.pack(max(used, 0)), db=self._info)
-        except lmdb.Error as exc:
-            log.error("LMDB store %s: could not delete corrupt entries: %s", self.path, exc)
+        if doomed:
+            self._delete(doomed)
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         try:
-            with self._txn() as txn:
+            with self._env.begin(buffers=True) as txn:
                 return [txn.get(k, db=self._meta) is not None for k in keys]
         except lmdb.Error as exc:
-            log.error("LMDB store %s: lookup failed: %s", self.path, exc)
+            self._warn_once("read", "LMDB store %s: lookup failed: %s", self.path, exc)
             self._count(read_errors=1)
             return [False] * len(keys)
 
     def delete(self, key: bytes) -> bool:
-        with self._write_lock, self._txn(write=True) as txn:
-            tick, used = self._counters_in(txn)
-            freed = self._remove(txn, key)
-            txn.put(b"bytes_used", _U64.pack(max(used - freed, 0)), db=self._info)
-        return freed > 0
+        return self._delete([key]) > 0
+
+    def _delete(self, keys: Sequence[bytes]) -> int:
+        try:
+            with self._write_lock, self._env.begin(write=True, buffers=True) as txn:
+                tick, used = self._read_counters(txn)
+                removed = [self._remove(txn, k) for k in keys]
+                self._put_counters(txn, tick, used - sum(r or 0 for r in removed))
+        except lmdb.Error as exc:
+            self._warn_once("delete", "LMDB store %s: delete failed: %s", self.path, exc)
+            return 0
+        return sum(r is not None for r in removed)
 
     def _usage(self) -> dict[str, int]:
-        with self._txn() as txn:
-            _, used = self._counters_in(txn)
-            entries = txn.stat(self._meta)["entries"]
-        return {"entries": entries, "bytes_used": used, "map_size": self._env.info()["map_size"]}
+        try:
+            with self._env.begin(buffers=True) as txn:
+                used = _U64.unpack(txn.get(b"bytes_used", db=self._info) or bytes(8))[0]
+                entries = txn.stat(self._meta)["entries"]
+        except (lmdb.Error, struct.error):
+            entries = used = -1
+        return {"entries": entries, "bytes_used": used, "map_size": self._env.info()["map_size"],
+                "configured_capacity": self.configured_capacity}
+
+    def _close_env(self) -> None:
+        if self._env is not None:
+            self._env.close()
+            self._env = None
 
     def close(self) -> None:
-        if self._env is None:
-            return
-        self._persist_touches()
-        self._env.close()
-        self._env = None
+        if self._env is not None:
+            self._persist_touches(wait=True)
+        self._close_env()
+        if self._users is not None:
+            os.close(self._users)
+            self._users = None

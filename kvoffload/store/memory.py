@@ -4,6 +4,7 @@ this tier run at link speed without a staging hop."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -12,6 +13,9 @@ import numpy as np
 
 from .base import Store
 from .buffers import Buffer
+from .errors import StoreConfigError
+
+log = logging.getLogger(__name__)
 
 
 def _cuda_present() -> bool:
@@ -26,6 +30,9 @@ class MemoryStore(Store):
     def __init__(self, capacity: int, pinned: bool | None = None, url: str | None = None):
         super().__init__()
         self.capacity = capacity
+        if pinned and not _cuda_present():
+            raise StoreConfigError("memory store: pinned=true needs a CUDA or ROCm device (page-locking is a "
+                                   "driver call); use pinned=auto or pinned=false on this machine")
         self.pinned = _cuda_present() if pinned is None else pinned
         self.url = url or f"memory://?capacity={capacity}"
         self._entries: OrderedDict[bytes, np.ndarray] = OrderedDict()
@@ -41,21 +48,35 @@ class MemoryStore(Store):
 
     def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
         views = self._views(items)
-        for key, view in views:
-            array = self._allocate(view.nbytes)  # copy outside the lock: readers keep going
+        written = [False] * len(views)
+        latest: dict[bytes, int] = {}  # key -> index of this batch whose value the store holds
+        for i, (key, view) in enumerate(views):
+            try:
+                array = self._allocate(view.nbytes)  # copy outside the lock: readers keep going
+            except (RuntimeError, MemoryError) as exc:  # out of (pinned) host memory: a dropped write
+                log.warning("memory store: cannot allocate %d bytes (%s); write dropped", view.nbytes, exc)
+                continue
             array[:] = np.frombuffer(view, np.uint8)
             with self._lock:
                 old = self._entries.pop(key, None)
                 if old is not None:
                     self._used -= old.nbytes
+                    if key in latest:
+                        written[latest.pop(key)] = False
                 while self._used + array.nbytes > self.capacity:
-                    _, victim = self._entries.popitem(last=False)
+                    victim_key, victim = self._entries.popitem(last=False)
                     self._used -= victim.nbytes
                     self._count(evictions=1, evicted_bytes=victim.nbytes)
+                    if victim_key in latest:  # this batch's own entry: no longer held, say so
+                        written[latest.pop(victim_key)] = False
                 self._entries[key] = array
                 self._used += array.nbytes
-        self._count(puts=len(views), put_bytes=sum(v.nbytes for _, v in views))
-        return [True] * len(views)
+            written[i] = True
+            latest[key] = i
+        ok = sum(written)
+        self._count(puts=ok, put_bytes=sum(v.nbytes for (_, v), w in zip(views, written) if w),
+                    dropped_puts=len(views) - ok)
+        return written
 
     def read_many(self, keys: Sequence[bytes], consume: Callable[[int, memoryview], None]) -> list[bool]:
         served, nbytes = [], 0

@@ -17,11 +17,14 @@ Writes go out in pipelined batches of bounded bytes; reads fetch many keys per r
 Capacity is the server's: `maxmemory` with an LRU or LFU eviction policy; without one the store warns
 at start-up (unbounded growth is an operator error). A wrong password or an unreachable server is a
 clear start-up error; at run time a node down, a timeout or a resharding in progress is a counted miss
-and a failed write is dropped and counted: never a crash, never wrong bytes."""
+and a failed write is dropped and counted: never a crash, never wrong bytes. `timeout=` bounds both
+connecting and each reply, and redis-py's retries are off: a dead or hung node costs one timeout, then
+it is skipped (standalone server or cluster node) for NODE_RETRY_SECONDS, its keys counted misses."""
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from urllib.parse import unquote, urlsplit
@@ -37,7 +40,7 @@ log = logging.getLogger(__name__)
 OPTIONS = {"capacity", "namespace", "timeout", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs"}
 DEFAULT_CAPACITY = "1TiB"  # what the store reports when the server sets no maxmemory
 PIPELINE_BYTES = 64 << 20  # one pipelined write batch
-NODE_RETRY_SECONDS = 5.0  # a cluster node that failed is skipped this long
+NODE_RETRY_SECONDS = 5.0  # a server or cluster node that failed is skipped this long
 
 
 def _redis():
@@ -46,6 +49,16 @@ def _redis():
     except ImportError as exc:  # pragma: no cover - the extra is part of every install we make
         raise StoreConfigError("redis:// needs the redis client: pip install 'kvoffload[redis]'") from exc
     return redis
+
+
+def _timeout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise StoreConfigError(f"redis timeout={text!r}: give the seconds a call may wait, a positive number such as 2")
+    return value
 
 
 class RedisStore(Store):
@@ -72,7 +85,8 @@ class RedisStore(Store):
     # -- start-up ------------------------------------------------------------------------------------
     @staticmethod
     def _client_options(parts, scheme: str, options: dict[str, str]) -> dict:
-        kwargs = {"socket_timeout": float(options.pop("timeout", "2")), "socket_connect_timeout": 2.0}
+        timeout = _timeout(options.pop("timeout", "2"))
+        kwargs = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
         if parts.username:
             kwargs["username"] = unquote(parts.username)
         if parts.password:
@@ -96,19 +110,24 @@ class RedisStore(Store):
         except ValueError:
             raise StoreConfigError(f"{self.url}: hosts are host:port") from None
         where = ", ".join(f"{h}:{p}" for h, p in nodes)
+        # redis-py's default retries turn a 1 s timeout into 15 s: one attempt, then _down_until skips the
+        # node. The cluster client's own retries (its node clients have none) only serve start-up: when its
+        # default node is down, the next try asks another one.
+        Retry, NoBackoff = redis.retry.Retry, redis.backoff.NoBackoff
         try:
             if self.cluster:
                 from redis.cluster import ClusterNode, RedisCluster
 
-                client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes],
-                                      require_full_coverage=False, **kwargs)
+                client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], require_full_coverage=False,
+                                      retry=Retry(NoBackoff(), 2), **kwargs)
             else:
                 if len(nodes) > 1:
                     raise StoreConfigError(f"{self.url}: several hosts need redis+cluster://")
                 db = parts.path.strip("/") or "0"
                 if not db.isdigit():
                     raise StoreConfigError(f"{self.url}: the path is a database number, got {db!r}")
-                client = redis.Redis(host=nodes[0][0], port=nodes[0][1], db=int(db), **kwargs)
+                client = redis.Redis(host=nodes[0][0], port=nodes[0][1], db=int(db), retry=Retry(NoBackoff(), 0),
+                                     **kwargs)
             client.ping()
         except redis.exceptions.AuthenticationError as exc:
             raise StoreConfigError(f"Redis at {where} refused the credentials in the URL: {exc}") from None
@@ -141,69 +160,81 @@ class RedisStore(Store):
         return sum(limits) if limits and 0 not in limits else parse_size(DEFAULT_CAPACITY)
 
     def _per_node(self, fn):
-        """fn(client) on the server, or on every primary of a cluster."""
-        if self.cluster:
-            return [fn(self.client.get_redis_connection(node)) for node in self.client.get_primaries()]
-        return [fn(self.client)]
+        """fn(client) on the server, or on every primary of a cluster; a node that fails is skipped by the
+        next calls (see _route) rather than costing them a timeout again."""
+        results = []
+        for node in self.client.get_primaries() if self.cluster else [None]:
+            try:
+                results.append(fn(self.client.get_redis_connection(node) if node else self.client))
+            except self._errors:
+                self._down_until[node.name if node else ""] = time.monotonic() + NODE_RETRY_SECONDS
+                raise
+        return results
 
-    def _route(self, keys: Sequence[bytes]) -> tuple[list[tuple[str, object, list[int]]], int]:
-        """(node name, its client, indices of `keys`) per node owning some of them, and how many keys
-        have no usable node. A node that failed within the last seconds is skipped (its keys are
-        misses) instead of costing a timeout per call."""
+    def _route(self, keys: Sequence[bytes]) -> tuple[list[tuple[str, object, list[int]]], int, int]:
+        """(node name, its client, indices of `keys`) per node owning some of them, how many keys are on
+        a node that failed within the last seconds (skipped: misses instead of a timeout per call; the
+        standalone server is the node "") and how many are in slots no node covers."""
+        now = time.monotonic()
         if not self.cluster:
-            return [("", self.client, list(range(len(keys))))], 0
+            if self._down_until.get("", 0.0) > now:
+                return [], len(keys), 0
+            return [("", self.client, list(range(len(keys))))], 0, 0
         groups: dict[str, tuple[object, list[int]]] = {}
-        unrouted = 0
+        skipped = uncovered = 0
         for i, key in enumerate(keys):
             try:
                 node = self.client.nodes_manager.get_node_from_slot(self.client.keyslot(key))
             except self._errors:  # the slot is not covered (its node is gone, a reshard is under way)
-                unrouted += 1
+                uncovered += 1
                 continue
-            if self._down_until.get(node.name, 0.0) > time.monotonic():
-                unrouted += 1
+            if self._down_until.get(node.name, 0.0) > now:
+                skipped += 1
                 continue
             groups.setdefault(node.name, (node, []))[1].append(i)
-        return [(name, self.client.get_redis_connection(node), idx) for name, (node, idx) in groups.items()], unrouted
+        routes = [(name, self.client.get_redis_connection(node), idx) for name, (node, idx) in groups.items()]
+        return routes, skipped, uncovered
 
     def _pipelined(self, keys: Sequence[bytes], command, what: str) -> list:
         """Run `command(pipe, key)` for every key, one pipeline per node; None where a node, a timeout
         or a moved slot failed (each such key counted as `what`)."""
         results: list = [None] * len(keys)
-        moved = False
-        routes, unrouted = self._route(keys)
-        if unrouted:
-            self._count(**{what: unrouted})
+        routes, skipped, uncovered = self._route(keys)
+        stale = uncovered > 0  # the slot map needs a reload: a node failed, a slot moved or has no node
+        if skipped + uncovered:
+            self._count(**{what: skipped + uncovered})
         for name, client, indices in routes:
             pipe = client.pipeline(transaction=False)
             for i in indices:
                 command(pipe, i, keys[i])
             try:
                 answers = pipe.execute(raise_on_error=False)
-            except self._errors as exc:
-                log.warning("Redis store %s: %s on %s failed (%s); %d keys missed", self.url, what, name or "the server",
-                            exc, len(indices))
+            except self._errors as exc:  # logged once per back-off: the node is skipped until then
+                log.warning("Redis store %s: %s failed (%s); skipped for %.0f s: %s", self.url, name or "the server",
+                            exc, NODE_RETRY_SECONDS, "misses" if what == "read_errors" else "writes dropped")
                 self._count(**{what: len(indices)})
-                if name:
-                    self._down_until[name] = time.monotonic() + NODE_RETRY_SECONDS
+                self._down_until[name] = time.monotonic() + NODE_RETRY_SECONDS
+                stale = True
                 continue
             for i, answer in zip(indices, answers):
                 if isinstance(answer, Exception):
-                    moved |= "MOVED" in str(answer) or "ASK" in str(answer)
+                    stale = True  # MOVED, ASK, CLUSTERDOWN...
                     self._count(**{what: 1})
                 else:
                     results[i] = answer
-        if self.cluster and (moved or None in results):
+        if self.cluster and stale:
             self._refresh_slots()
         return results
 
     def _refresh_slots(self) -> None:
-        """Reload the slot map (after a reshard or a failover); best effort, at most once a second."""
+        """Reload the slot map (after a reshard or a failover); best effort, at most once a second. The
+        node that failed last is asked last: a hung one would cost a timeout."""
         if time.monotonic() - self._refreshed < 1.0:
             return
         self._refreshed = time.monotonic()
+        last = max(self._down_until, key=self._down_until.get, default=None)
         try:
-            self.client.nodes_manager.initialize()
+            self.client.nodes_manager.initialize(last_failed_node_name=last)
         except Exception as exc:  # noqa: BLE001 - any failure leaves the old map in place
             log.info("Redis store %s: slot map not refreshed (%s)", self.url, exc)
 
@@ -261,14 +292,13 @@ class RedisStore(Store):
         return [result == 1 for result in found]
 
     def delete(self, key: bytes) -> bool:
-        try:
-            return bool(self.client.delete(self._key(key)))
-        except self._errors:
-            self._count(write_errors=1)
-            return False
+        """Through a pipeline too: the same routing and back-off as the batches (no cluster retries)."""
+        return bool(self._pipelined([self._key(key)], lambda pipe, i, k: pipe.delete(k), "write_errors")[0])
 
     def _usage(self) -> dict[str, int]:
         """Server-wide figures (summed over a cluster's primaries): Redis keeps no per-prefix totals."""
+        if any(until > time.monotonic() for until in self._down_until.values()):
+            return {"entries": -1, "bytes_used": -1}  # a node is down: no timeout for stats either
         try:
             entries = sum(self._per_node(lambda c: c.dbsize()))
             used = sum(int(info.get("used_memory", 0)) for info in self._per_node(lambda c: c.info("memory")))
@@ -281,4 +311,3 @@ class RedisStore(Store):
             self.client.close()
         except self._errors:
             pass
-

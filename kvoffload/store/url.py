@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from decimal import Context, Decimal, localcontext
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from .errors import StoreConfigError
@@ -14,22 +15,36 @@ _UNITS = {
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$", re.ASCII)  # no nan, inf or exponents
+MAX_SIZE = 2**63 - 1  # what LMDB's map size, mmap and C sizes take
 
 
 def parse_size(text: str | int, what: str = "size") -> int:
-    """'4GiB' -> 4294967296; '1.5GB' -> 1500000000; plain integers are bytes."""
-    if isinstance(text, int):
+    """'4GiB' -> 4294967296; '1.5GB' -> 1500000000; plain integers are bytes. Exact (Decimal, not
+    float: a float overflows on long input and rounds), and at most MAX_SIZE."""
+    if isinstance(text, int) and not isinstance(text, bool):
         value = text
     else:
-        m = _SIZE.match(str(text))
+        m = _SIZE.match(text) if isinstance(text, str) else None
         unit = m.group(2).lower() if m else None
         if not m or unit not in _UNITS:
-            raise StoreConfigError(f"invalid {what} {text!r}: use bytes or a unit such as 512MiB, 4GiB, 100GB")
-        value = int(float(m.group(1)) * _UNITS[unit])
+            raise StoreConfigError(f"invalid {what} {_short(text)}: use bytes or a unit such as 512MiB, 4GiB, 100GB")
+        number = m.group(1).lstrip("0")
+        if len(number.partition(".")[0]) > len(str(MAX_SIZE)):
+            value = MAX_SIZE + 1  # too large already, whatever the unit: spare Decimal a huge number
+        else:
+            with localcontext(Context(prec=len(number) + 20)):  # enough digits for the product to be exact
+                value = int(Decimal(number or "0") * _UNITS[unit])
+    if value > MAX_SIZE:
+        raise StoreConfigError(f"{what} {_short(text)} is too large: at most {MAX_SIZE} bytes (8 EiB)")
     if value <= 0:
-        raise StoreConfigError(f"{what} must be positive, got {text!r}")
+        raise StoreConfigError(f"{what} must be positive, got {_short(text)}")
     return value
+
+
+def _short(text) -> str:
+    shown = repr(text)
+    return shown if len(shown) <= 40 else f"{shown[:30]}...({len(shown)} characters)"
 
 
 def parse_bool(text: str, what: str) -> bool:
@@ -61,20 +76,52 @@ class StoreURL:
 def parse_url(url: str) -> StoreURL:
     if not isinstance(url, str) or "://" not in url:
         raise StoreConfigError(
-            f"invalid store URL {url!r}: expected memory://?capacity=4GiB, lmdb:///abs/dir?capacity=100GiB "
+            f"invalid store URL {redact_url(url) if isinstance(url, str) else url!r}: expected "
+            "memory://?capacity=4GiB, lmdb:///abs/dir?capacity=100GiB "
             "or tiered://?memory=4GiB&lmdb=/abs/dir&lmdb_capacity=100GiB"
         )
-    parts = urlsplit(url)
+    if "#" in url:  # urlsplit would drop the rest as a fragment: options, even part of a path or password
+        raise StoreConfigError(f"'#' in store URL {redact_url(url)!r}: a store URL has no #fragment; "
+                               "percent-encode a '#' in a path or password as %23")
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # e.g. an unclosed [IPv6] host
+        raise StoreConfigError(f"invalid store URL {redact_url(url)!r}: {exc}") from None
     options: dict[str, str] = {}
     for name, value in parse_qsl(parts.query, keep_blank_values=True, strict_parsing=False):
         if name in options:
-            raise StoreConfigError(f"option {name!r} given twice in {url!r}")
+            raise StoreConfigError(f"option {name!r} given twice in {redact_url(url)!r}")
         options[name] = value
     path = unquote(parts.netloc + parts.path)
     return StoreURL(parts.scheme.lower(), path, options)
 
 
+_ENCODED = r"%(?:25)*"  # a delimiter %-encoded once or more: how it appears in a nested URL
+_AT = re.compile(rf"@|{_ENCODED}40", re.I)
+_COLON = re.compile(rf":|{_ENCODED}3A", re.I)
+# A URL starts the string or an option value (tiered://?redis=redis://...); scheme-like text elsewhere
+# may be part of a password.
+_SCHEME = re.compile(rf"(?:^|(?<==))[a-z][a-z0-9+.-]*(?::|{_ENCODED}3A)(?:/|{_ENCODED}2F){{2}}", re.I)
+
+
 def redact_url(url: str) -> str:
-    """The URL with any password replaced by ***, for logs and reports (nested URLs included)."""
-    return re.sub(r"(://[^/@?&,:]*:)[^@/?&]*@", r"\1***@", re.sub(r"(%3A%2F%2F[^%@?&]*%3A)[^@?&]*?(%40|@)",
-                                                             r"\1***\2", url, flags=re.I))
+    """The URL with every password replaced by ***, for logs, reports and errors (nested URLs, raw or
+    %-encoded, included). Conservative, as a password may hold any delimiter: the userinfo ends at the
+    last '@' before the next nested URL, the password starts at its first ':'. Some host or option
+    text may be hidden with it; no password character is ever shown."""
+    cuts = [(0, 0), *(m.span() for m in _SCHEME.finditer(url)), (len(url), len(url))]
+    spans: list[list[int]] = []
+    for (_, start), (end, _) in zip(cuts, cuts[1:]):
+        last = spans[-1] if spans else None
+        if last and _COLON.search(url, *last) and not _AT.search(url, *last):
+            last[1] = end  # a password may have started and not ended yet: scheme-like text inside it
+        else:
+            spans.append([start, end])
+    for start, end in reversed(spans):
+        at = None
+        for at in _AT.finditer(url, start, end):
+            pass
+        colon = at and _COLON.search(url, start, at.start())
+        if colon:
+            url = url[:colon.end()] + "***" + url[at.start():]
+    return url

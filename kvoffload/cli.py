@@ -9,7 +9,7 @@ import sys
 
 from glm_integration.config import ModelConfigError
 
-from .store import StoreConfigError, open_store
+from .store import StoreConfigError
 
 # What a user must change, reported in one line with exit status 2; anything else is a bug: a traceback.
 # The OS errors are about files named on the command line (--prompts, --model, --out).
@@ -90,8 +90,9 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    with open_store(args.url) as store:
-        print(json.dumps(store.stats(), indent=2))
+    from .store import inspect_store
+
+    print(json.dumps(inspect_store(args.url), indent=2))
     return 0
 
 

@@ -1,11 +1,14 @@
 """The `kvoffload` command as a user runs it (verify and demo: test_verify.py)."""
 
 import json
+import os
+import stat
 import subprocess
 import sys
 
 from conftest import subprocess_env
 from kvoffload import open_store
+from kvoffload.store.lmdb_store import entry_charge
 
 
 def _run(*args, timeout=120):
@@ -14,12 +17,29 @@ def _run(*args, timeout=120):
 
 
 def test_inspect_prints_store_statistics(tmp_path):
-    with open_store(f"lmdb://{tmp_path}/store") as store:
+    with open_store(f"lmdb://{tmp_path}/store?capacity=1MiB") as store:
         store.put_many([(b"a", b"x" * 10), (b"b", b"y" * 20)])
-    out = _run("inspect", f"lmdb://{tmp_path}/store")
+    before = sorted(os.listdir(tmp_path / "store"))
+    out = _run("inspect", f"lmdb://{tmp_path}/store")  # no capacity given: the store's own is reported
     assert out.returncode == 0, out.stderr
     stats = json.loads(out.stdout)
-    assert stats["entries"] == 2 and stats["bytes_used"] == 30 + 2 * 56
+    assert stats["entries"] == 2 and stats["bytes_used"] == entry_charge(10) + entry_charge(20)
+    assert stats["capacity"] == 1 << 20 and stats["format_version"] == 1
+    assert sorted(os.listdir(tmp_path / "store")) == before
+
+
+def test_inspect_never_creates_a_store(tmp_path):
+    plain = tmp_path / "plain"
+    plain.mkdir(mode=0o755)
+    os.chmod(plain, 0o755)
+    (plain / "notes.txt").write_text("x")
+    for path in (tmp_path / "missing", plain):
+        out = _run("inspect", f"lmdb://{path}")
+        assert out.returncode == 2 and "no LMDB store" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert not (tmp_path / "missing").exists()
+    assert sorted(os.listdir(plain)) == ["notes.txt"] and stat.S_IMODE(os.stat(plain).st_mode) == 0o755
+    out = _run("inspect", "memory://?capacity=1GiB")
+    assert out.returncode == 2 and "nothing to inspect" in out.stderr
 
 
 def test_bad_url_is_a_clear_error_not_a_traceback():

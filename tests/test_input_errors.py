@@ -170,7 +170,7 @@ def test_kernels_not_installed(tiny_checkpoint):
 
 @pytest.mark.parametrize("store, message", [
     ("memory://?capacity=" + "9" * 400, "memory capacity '999999"),
-    ("lmdb:///tmp/kv#1?capacity=1GiB", "%23"),
+    ("lmdb:///proc/kvoffload/kv#1?capacity=1GiB", "%23"),
 ])
 def test_store_errors_from_the_command(tiny_checkpoint, store, message):
     _one_line(_verify(tiny_checkpoint, "--store", store), message)

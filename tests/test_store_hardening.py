@@ -215,8 +215,9 @@ def test_damaged_counter_records_are_rebuilt(tmp_path, record, raw):
     with open_store(url) as store:
         store.put_many([(b"k%d" % i, _value(i, 50_000)) for i in range(3)])
     env = lmdb.open(path, max_dbs=8)
+    info = env.open_db(b"info")
     with env.begin(write=True) as txn:
-        txn.put(record, raw, db=env.open_db(b"info"))
+        txn.put(record, raw, db=info)
     env.close()
     with open_store(url) as store:
         assert store.stats()["bytes_used"] == 3 * entry_charge(50_000)
@@ -229,8 +230,9 @@ def test_a_damaged_format_record_resets_the_store(tmp_path):
     with open_store(url) as store:
         store.put(b"k", b"v")
     env = lmdb.open(path, max_dbs=8)
+    info = env.open_db(b"info")
     with env.begin(write=True) as txn:
-        txn.put(b"format_version", b"\x00\x01", db=env.open_db(b"info"))
+        txn.put(b"format_version", b"\x00\x01", db=info)
     env.close()
     with open_store(url) as store:
         assert store.stats()["damaged_files_reset"] == 1 and store.get(b"k") is None

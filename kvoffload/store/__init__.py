@@ -17,12 +17,12 @@ from .memory import MemoryStore
 from .tiered import TieredStore
 from .url import parse_bool, parse_size, parse_url, redact_url
 
-REDIS_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
+from .inspect import REDIS_SCHEMES, inspect_store
 DEFAULT_MEMORY_CAPACITY = "4GiB"
 DEFAULT_LMDB_CAPACITY = "16GiB"  # allocated on disk at open (x1.31): a default must stay modest
 
 __all__ = ["Store", "open_store", "shared_store", "MemoryStore", "LMDBStore", "TieredStore", "StoreConfigError",
-           "EntryTooLargeError", "IncompatibleStoreError", "parse_size"]
+           "EntryTooLargeError", "IncompatibleStoreError", "parse_size", "inspect_store"]
 
 
 def _pinned(option: str | None) -> bool | None:

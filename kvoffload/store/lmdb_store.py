@@ -629,3 +629,33 @@ class LMDBStore(Store):
         if self._users is not None:
             os.close(self._users)
             self._users = None
+
+
+def read_stats(path: str) -> dict[str, int | str]:
+    """A store's figures read without changing anything: no directory, file or record is created and no
+    permission is tightened (what `kvoffload inspect` needs of a path that may not be a store)."""
+    if not os.path.isabs(path):
+        raise StoreConfigError(f"LMDB store path must be absolute, got {path!r} (use lmdb:///abs/dir)")
+    data = os.path.join(path, DATA_FILE)
+    if not os.path.isfile(data):
+        raise StoreConfigError(f"no LMDB store at {path!r} (it has no {DATA_FILE})")
+    if not os.access(data, os.R_OK):
+        raise StoreConfigError(f"cannot read {data}: permission denied")
+    try:
+        env = lmdb.open(path, readonly=True, lock=os.path.exists(os.path.join(path, LOCK_FILE)), max_dbs=8)
+        try:
+            info_db, meta_db = env.open_db(b"info", create=False), env.open_db(b"meta", create=False)
+            with env.begin(buffers=True) as txn:
+                record = {k: bytes(v) if (v := txn.get(k, db=info_db)) is not None else None
+                          for k in (b"format_version", b"bytes_used", b"capacity")}
+                entries = txn.stat(meta_db)["entries"]
+            map_size = env.info()["map_size"]
+        finally:
+            env.close()
+    except lmdb.Error as exc:
+        raise StoreConfigError(f"cannot read the LMDB store at {path!r}: {exc}") from None
+    number = {k.decode(): _U64.unpack(v)[0] if v is not None and len(v) == 8 else None for k, v in record.items()}
+    return {"url": f"lmdb://{path}", "format_version": number["format_version"] or 0,
+            "capacity": number["capacity"] or capacity_for_map(map_size), "entries": entries,
+            "bytes_used": number["bytes_used"] if number["bytes_used"] is not None else -1, "map_size": map_size,
+            "damaged_files": len(glob.glob(f"{glob.escape(data)}.damaged-*"))}

@@ -93,3 +93,13 @@ def test_redis_benchmark_json(tmp_path):
         for key in ("raw_set_GBps", "save_GBps", "raw_get_GBps", "load_GBps"):
             assert row[key] > 0, key
         assert set(row["ratios"]) == {"save_vs_raw_set", "load_vs_raw_get"}
+
+
+def test_faults_benchmark_json(tmp_path):
+    result = _bench("faults", tmp_path)
+    r = result["results"]
+    assert r["sigkill"]["rounds"] == 5 and r["sigkill"]["acknowledged"] > 0
+    assert r["sigkill"]["lost"] == r["sigkill"]["wrong_bytes"] == 0
+    assert r["corruption"]["trials"] == 6 and r["corruption"]["wrong_bytes"] == 0
+    assert r["corruption"]["crashed_or_failed"] == 0
+    assert r["concurrency"]["operations"] > 0 and r["concurrency"]["wrong_bytes"] == 0

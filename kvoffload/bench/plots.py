@@ -87,8 +87,19 @@ def _redis(ax, result):
     ax.set(ylabel="GB/s", title="Redis tier vs raw SET/GET through the same client")
 
 
+def _faults(ax, result):
+    r = result["results"]
+    rows = {"SIGKILL: acknowledged entries": (r["sigkill"]["acknowledged"], r["sigkill"]["lost"] + r["sigkill"]["wrong_bytes"]),
+            "damaged stores: reads": (r["corruption"]["reads"],
+                                      r["corruption"]["wrong_bytes"] + r["corruption"]["crashed_or_failed"]),
+            "threads x processes: operations": (r["concurrency"]["operations"], r["concurrency"]["wrong_bytes"])}
+    _bars(ax, list(rows), {"checked": [v[0] for v in rows.values()],
+                           "lost, wrong or crashed": [v[1] for v in rows.values()]})
+    ax.set(ylabel="count", title="LMDB fault campaign: every byte checked")
+
+
 DRAW = {"store": _store, "footprint": _footprint, "ttft": _ttft, "vllm-ttft": _vllm_ttft, "overhead": _overhead,
-        "transfer": _transfer, "redis": _redis}
+        "transfer": _transfer, "redis": _redis, "faults": _faults}
 
 
 def plot(result: dict, json_path: str) -> str:

@@ -1,4 +1,5 @@
 import os
+import subprocess
 import sys
 
 import pytest
@@ -53,3 +54,24 @@ def tiny_model(tiny_checkpoint):
 
     torch.set_num_threads(1)
     return load_model(tiny_checkpoint)
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """mount(size) -> a directory on a tmpfs of that size ("40m"): a disk that really fills up. Skips
+    where mounting is not allowed; unmounted after the test."""
+    mounted = []
+
+    def mount(size: str):
+        point = tmp_path / f"disk{len(mounted)}"
+        point.mkdir()
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.strip()}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", "-l", str(point)], check=False)

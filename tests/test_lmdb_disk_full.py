@@ -36,17 +36,8 @@ print(json.dumps({"acked": len(acked), "last_acked": acked[-1] if acked else Non
 
 
 @pytest.fixture
-def small_disk(tmp_path):
-    mount_point = tmp_path / "disk"
-    mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(mount_point)],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.strip()}")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+def small_disk(tmpfs):
+    return tmpfs("40m")
 
 
 def test_real_full_disk_means_fewer_hits_not_a_crash(small_disk):

@@ -308,7 +308,7 @@ def test_tiered_memory_lmdb_redis(server, tmp_path):
         assert [second.get(k) for k, _ in items] == [v for _, v in items]
         assert second.stats()["memory_hits"] == 5  # promoted into memory
     with pytest.raises(StoreConfigError, match="redis= takes"):
-        open_store(f"tiered://?memory=1MiB&redis=lmdb:///x")
+        open_store("tiered://?memory=1MiB&redis=lmdb:///x")
 
 
 # -- the runner and vLLM on a shared Redis tier --------------------------------------------------------

@@ -260,17 +260,8 @@ print(sum(hits), len(hits), store.get(b"after") is not None)
 
 
 @pytest.fixture
-def small_disk(tmp_path):
-    mount_point = tmp_path / "disk"
-    mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount_point)],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.strip()}")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+def small_disk(tmpfs):
+    return tmpfs("24m")
 
 
 def test_many_readers_on_a_full_disk_do_not_crash(small_disk):

@@ -10,7 +10,6 @@ All sizes are in words of the widest integer type that divides every offset and 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import numpy as np
 import torch

@@ -64,6 +64,17 @@ def test_processes_opening_a_new_store_at_once_lose_no_acknowledged_put(tmp_path
         assert [store.get(b"k%d" % i) for i in range(6)] == [b"v%d" % i for i in range(6)]
 
 
+def test_a_data_file_being_created_is_not_mistaken_for_damage(tmp_path):
+    """The window another process's creation leaves (the file exists, its meta pages are not written
+    yet), held open: an open must not move it aside, which would orphan the creator's writes."""
+    path = tmp_path / "db"
+    path.mkdir(mode=0o700)
+    (path / "data.mdb").touch(mode=0o600)
+    with open_store(f"lmdb://{path}?capacity=1MiB") as store:
+        assert store.stats().get("damaged_files_reset", 0) == 0 and store.put(b"k", b"v")
+    assert not [n for n in os.listdir(path) if ".damaged-" in n]
+
+
 UNREADABLE = r"""
 import os, sys
 from kvoffload import open_store

@@ -7,12 +7,29 @@ import threading
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
+
+import numpy as np
 
 from .buffers import Buffer, byte_view, copy_into, writable_view
 from .errors import EntryTooLargeError
 
 T = TypeVar("T")
+
+# fill(destinations) writes the values in place (None: the tier had no room for that one) and says
+# which it filled; a tier publishes only those, after fill returns.
+Fill = Callable[[list["np.ndarray | None"]], list[bool]]
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A value held in place for the caller (a DMA source, a write-behind source): the tier does not
+    evict, reuse or overwrite its bytes until `Store.release` is called with it."""
+
+    key: bytes
+    view: np.ndarray  # uint8, exactly the value's bytes
+    slot: int | None = None  # the tier's handle; None for a private copy (nothing to release)
 
 
 class Store(ABC):
@@ -53,6 +70,34 @@ class Store(ABC):
 
     def close(self) -> None:
         """Release resources; the store must not be used afterwards."""
+
+    # -- in-place access (the pinned arena implements these without a copy) ----------------------------
+    in_place: bool = False  # True when write_many / acquire hand out the tier's own (pinned) memory
+
+    def write_many(self, items: Sequence[tuple[bytes, int]], fill: Fill) -> list[bool]:
+        """Store values of the given sizes that `fill` writes straight into their destinations; True
+        per value stored. Here: private buffers, then `put_many` (one copy); the arena gives its slots."""
+        buffers = [np.empty(n, dtype=np.uint8) for _, n in items]
+        filled = fill(list(buffers))
+        written = [False] * len(items)
+        chosen = [i for i, ok in enumerate(filled) if ok]
+        for i, ok in zip(chosen, self.put_many([(items[i][0], buffers[i]) for i in chosen])):
+            written[i] = ok
+        return written
+
+    def acquire(self, keys: Sequence[bytes], *, touch: bool = True) -> list[Lease | None]:
+        """Hold each present value in place (None for a miss) until `release`. `touch` counts the reads
+        and refreshes recency; write-behind passes False. Here: private copies (one copy)."""
+        leases: list[Lease | None] = [None] * len(keys)
+
+        def consume(i: int, view: memoryview) -> None:
+            leases[i] = Lease(keys[i], np.frombuffer(view, dtype=np.uint8).copy())
+
+        self.read_many(keys, consume)
+        return leases
+
+    def release(self, leases: Iterable[Lease | None]) -> None:
+        """Give back what `acquire` held (None entries and private copies are ignored)."""
 
     # -- derived forms ------------------------------------------------------------------------------
     def put(self, key: bytes, value: Buffer) -> bool:

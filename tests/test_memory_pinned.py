@@ -15,10 +15,12 @@ def test_pages_are_pinned_and_round_trip_through_the_device():
     assert store.stats()["pinned"] == 1
     page = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8, device="cuda")
     assert store.put(b"page", page.cpu())
-    held = torch.from_numpy(store._entries[b"page"])
+    lease = store.acquire([b"page"])[0]
+    held = torch.from_numpy(lease.view)
     assert held.is_pinned()
     back = held.to("cuda", non_blocking=True)
     torch.cuda.synchronize()
+    store.release([lease])
     assert torch.equal(back, page)
     out = torch.empty(4 << 20, dtype=torch.uint8).pin_memory()
     assert store.get_into(b"page", out) == 4 << 20

@@ -1,21 +1,37 @@
-"""Host-memory tier: an LRU of byte arrays under a byte capacity. Values are allocated pinned
-(page-locked, through torch's caching host allocator) when CUDA is present, so device copies from
-this tier run at link speed without a staging hop."""
+"""Host-memory tier: an LRU of values kept in an arena of large host-memory chunks.
+
+Chunks are page-locked (pinned, through torch) when CUDA is present, so device copies from and into
+this tier run at link speed. Memory is reserved a chunk at a time, never per value: page-locking is a
+driver call far slower than the copy, and paying it for every new value size wastes the link. A chunk
+is carved into slots of one size class (the value size rounded up to 4 KiB; a KV layout has few page
+sizes); free slots are reused in O(1), and a chunk whose slots are all free goes back to a pool that
+any class takes from, so memory follows the workload. The capacity caps the chunk bytes.
+
+A slot can be held: by a reader while it consumes, by a lease (`acquire`) until `release`, by a
+`write_many` while its caller fills it. Held bytes are never evicted, reused or overwritten; a key
+evicted, replaced or deleted while its slot is held leaves the index at once, and the slot is freed
+when its last holder lets go."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from .base import Store
+from .base import Fill, Lease, Store
 from .buffers import Buffer
-from .errors import StoreConfigError
+from .errors import EntryTooLargeError, StoreConfigError
 
 log = logging.getLogger(__name__)
+
+PAGE = 4096  # slot sizes are multiples of this
+MAX_CHUNK = 256 << 20  # default largest chunk, and so the largest value
+_SHIFT = 32  # a slot handle is chunk id << _SHIFT | slot index
+_lease_ids = itertools.count(1)  # unique across stores: a lease released twice or elsewhere is caught
 
 
 def _cuda_present() -> bool:
@@ -26,18 +42,50 @@ def _cuda_present() -> bool:
     return torch.cuda.is_available()
 
 
+class _Chunk:
+    __slots__ = ("id", "array", "size", "slot_bytes", "carved", "free", "used")
+
+    def __init__(self, id: int, array: np.ndarray):
+        self.id, self.array, self.size = id, array, array.nbytes
+        self.slot_bytes = 0  # 0 while in the pool (no slot in use)
+        self.carved = 0  # slots handed out so far; the rest of the chunk is uncarved
+        self.free: list[int] = []  # indices of freed slots
+        self.used = 0
+
+
 class MemoryStore(Store):
-    def __init__(self, capacity: int, pinned: bool | None = None, url: str | None = None):
+    in_place = True
+
+    def __init__(self, capacity: int, pinned: bool | None = None, url: str | None = None, *,
+                 chunk_bytes: int | None = None):
         super().__init__()
         self.capacity = capacity
         if pinned and not _cuda_present():
             raise StoreConfigError("memory store: pinned=true needs a CUDA or ROCm device (page-locking is a "
                                    "driver call); use pinned=auto or pinned=false on this machine")
+        if chunk_bytes is not None and chunk_bytes <= 0:
+            raise StoreConfigError(f"memory store: chunk_bytes must be positive, got {chunk_bytes}")
         self.pinned = _cuda_present() if pinned is None else pinned
         self.url = url or f"memory://?capacity={capacity}"
-        self._entries: OrderedDict[bytes, np.ndarray] = OrderedDict()
-        self._used = 0
+        self.chunk_bytes = min(capacity, chunk_bytes or MAX_CHUNK)  # the largest chunk and value
+        # New chunks take this much (or one slot, if larger): a small arena still holds several classes.
+        self._grain = min(self.chunk_bytes, max(PAGE, 1 << max(0, (capacity // 16).bit_length() - 1)))
         self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (slot, nbytes), LRU first
+        self._chunks: dict[int, _Chunk] = {}
+        self._open: dict[int, dict[int, _Chunk]] = {}  # slot bytes -> chunks with a free or uncarved slot
+        self._pool: dict[int, _Chunk] = {}  # chunks with no slot in use
+        self._holds: dict[int, int] = {}  # slot -> holders (readers, leases)
+        self._orphans: set[int] = set()  # held slots whose key left the index: freed at the last release
+        self._leases: dict[int, int] = {}  # lease id -> slot
+        self._chunk_ids = itertools.count()
+        self._reserved = self._used = self._pending = 0  # arena bytes, value bytes, slots being filled
+        self._limit = capacity  # lowered if the host refuses memory
+        self._closed = False
+
+    @property
+    def max_entry_bytes(self) -> int:
+        return self.chunk_bytes
 
     def _allocate(self, nbytes: int) -> np.ndarray:
         if self.pinned:
@@ -46,72 +94,254 @@ class MemoryStore(Store):
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
         return np.empty(nbytes, dtype=np.uint8)
 
-    def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
-        views = self._views(items)
-        written = [False] * len(views)
-        latest: dict[bytes, int] = {}  # key -> index of this batch whose value the store holds
-        for i, (key, view) in enumerate(views):
-            try:
-                array = self._allocate(view.nbytes)  # copy outside the lock: readers keep going
-            except (RuntimeError, MemoryError) as exc:  # out of (pinned) host memory: a dropped write
-                log.warning("memory store: cannot allocate %d bytes (%s); write dropped", view.nbytes, exc)
+    # -- slots (all under the lock) ----------------------------------------------------------------
+    def _class(self, nbytes: int) -> int:
+        return min(max(PAGE, -(-nbytes // PAGE) * PAGE), self.chunk_bytes)
+
+    def _view(self, slot: int, nbytes: int) -> np.ndarray:
+        chunk = self._chunks[slot >> _SHIFT]
+        start = (slot & ((1 << _SHIFT) - 1)) * chunk.slot_bytes
+        return chunk.array[start:start + nbytes]
+
+    def _take(self, cls: int) -> int | None:
+        """A slot of class `cls` without evicting: a free one, a new chunk's, or None."""
+        chunk = next(iter(self._open.get(cls, {}).values()), None)
+        if chunk is None:
+            chunk = self._free_chunk(cls)
+            if chunk is None:
+                return None
+            chunk.slot_bytes = cls
+            self._open.setdefault(cls, {})[chunk.id] = chunk
+        if chunk.free:
+            index = chunk.free.pop()
+        else:
+            index, chunk.carved = chunk.carved, chunk.carved + 1
+        chunk.used += 1
+        if not chunk.free and chunk.carved == chunk.size // cls:
+            del self._open[cls][chunk.id]
+        return chunk.id << _SHIFT | index
+
+    def _free_chunk(self, cls: int) -> _Chunk | None:
+        """A chunk for slots of `cls`: from the pool, else newly allocated within the capacity."""
+        fits = [c for c in self._pool.values() if c.size >= cls]
+        if fits:
+            return self._pool.pop(min(fits, key=lambda c: c.size).id)
+        room = self._limit - self._reserved
+        if room < cls and room + sum(c.size for c in self._pool.values()) >= cls:
+            for chunk in sorted(self._pool.values(), key=lambda c: c.size):  # too small: give them back
+                del self._pool[chunk.id], self._chunks[chunk.id]
+                self._reserved -= chunk.size
+                room += chunk.size
+                if room >= cls:
+                    break
+        if room < cls:
+            return None
+        size = cls * max(1, min(self._grain, room) // cls)
+        try:
+            array = self._allocate(size)
+        except (RuntimeError, MemoryError) as exc:  # out of (pinned) host memory: stop growing
+            log.warning("memory store: cannot allocate a %d-byte chunk (%s); the arena stays at %d bytes",
+                        size, exc, self._reserved)
+            self._limit = self._reserved
+            return None
+        chunk = _Chunk(next(self._chunk_ids), array)
+        self._chunks[chunk.id] = chunk
+        self._reserved += size
+        return chunk
+
+    def _free(self, slot: int) -> None:
+        chunk = self._chunks[slot >> _SHIFT]
+        chunk.used -= 1
+        if chunk.used == 0:  # all slots free: back to the pool, for any class
+            self._open[chunk.slot_bytes].pop(chunk.id, None)
+            chunk.slot_bytes, chunk.carved, chunk.free = 0, 0, []
+            self._pool[chunk.id] = chunk
+        else:
+            chunk.free.append(slot & ((1 << _SHIFT) - 1))
+            self._open[chunk.slot_bytes][chunk.id] = chunk
+
+    def _unindex(self, key: bytes) -> int:
+        """Drop `key` from the index; its slot is freed now, or by its last holder. Returns its bytes."""
+        slot, nbytes = self._index.pop(key)
+        self._used -= nbytes
+        if slot in self._holds:
+            self._orphans.add(slot)
+        else:
+            self._free(slot)
+        return nbytes
+
+    def _reserve(self, key: bytes, cls: int, batch: dict[int, int]) -> int | None:
+        """A slot for a new value of `key`, making room: the key's old value first, then the least
+        recently used unheld entry, then this batch's own earliest reservation. None: all held."""
+        while (slot := self._take(cls)) is None:
+            old = self._index.get(key)
+            if old is not None and old[0] not in self._holds:
+                self._unindex(key)  # replaced anyway: not an eviction
+            elif (victim := self._lru_unheld()) is not None:
+                self._count(evictions=1, evicted_bytes=self._unindex(victim))
+            elif batch:
+                self._free(batch.pop(next(iter(batch))))
+            else:
+                return None
+        return slot
+
+    def _lru_unheld(self) -> bytes | None:
+        return next((key for key, (slot, _) in self._index.items() if slot not in self._holds), None)
+
+    def _release_holds(self, slots: Iterable[int]) -> None:
+        for slot in slots:
+            if slot not in self._holds:  # the store was closed meanwhile
                 continue
-            array[:] = np.frombuffer(view, np.uint8)
+            self._holds[slot] -= 1
+            if not self._holds[slot]:
+                del self._holds[slot]
+                if slot in self._orphans:
+                    self._orphans.remove(slot)
+                    self._free(slot)
+
+    def _hold(self, keys: Sequence[bytes], touch: bool) -> list[tuple[int, np.ndarray] | None]:
+        held: list[tuple[int, np.ndarray] | None] = []
+        with self._lock:
+            for key in keys:
+                entry = self._index.get(key)
+                if entry is not None:
+                    if touch:
+                        self._index.move_to_end(key)
+                    self._holds[entry[0]] = self._holds.get(entry[0], 0) + 1
+                    entry = (entry[0], self._view(*entry))
+                held.append(entry)
+        if touch:
+            hits = [h[1].nbytes for h in held if h is not None]
+            self._count(hits=len(hits), misses=len(keys) - len(hits), get_bytes=sum(hits))
+        return held
+
+    # -- writes ----------------------------------------------------------------------------------
+    def _write(self, items: list[tuple[bytes, int]], fill: Fill) -> list[bool]:
+        batch: dict[int, int] = {}  # item -> reserved slot, in batch order
+        latest: dict[bytes, int] = {}  # key -> the item of this batch that will hold it
+        dests: list[np.ndarray | None] = [None] * len(items)
+        with self._lock:
+            for i, (key, nbytes) in enumerate(items):
+                if key in latest and latest[key] in batch:  # a later value of the key replaces it
+                    self._free(batch.pop(latest[key]))
+                slot = self._reserve(key, self._class(nbytes), batch)
+                if slot is not None:
+                    batch[i], latest[key] = slot, i
+            for i, slot in batch.items():
+                dests[i] = self._view(slot, items[i][1])
+            self._pending += len(batch)
+        filled = None
+        try:
+            filled = list(fill(dests))  # outside the lock: the slots are invisible to everyone else
+            if len(filled) != len(items):
+                raise ValueError(f"fill returned {len(filled)} flags for {len(items)} values")
+        finally:
+            written = [False] * len(items)
             with self._lock:
-                old = self._entries.pop(key, None)
-                if old is not None:
-                    self._used -= old.nbytes
-                    if key in latest:
-                        written[latest.pop(key)] = False
-                while self._used + array.nbytes > self.capacity:
-                    victim_key, victim = self._entries.popitem(last=False)
-                    self._used -= victim.nbytes
-                    self._count(evictions=1, evicted_bytes=victim.nbytes)
-                    if victim_key in latest:  # this batch's own entry: no longer held, say so
-                        written[latest.pop(victim_key)] = False
-                self._entries[key] = array
-                self._used += array.nbytes
-            written[i] = True
-            latest[key] = i
-        ok = sum(written)
-        self._count(puts=ok, put_bytes=sum(v.nbytes for (_, v), w in zip(views, written) if w),
-                    dropped_puts=len(views) - ok)
+                self._pending -= len(batch)
+                for i, slot in batch.items():
+                    key, nbytes = items[i]
+                    if filled is None or len(filled) != len(items) or not filled[i]:
+                        self._free(slot)
+                        continue
+                    if key in self._index:
+                        self._unindex(key)
+                    self._index[key] = (slot, nbytes)
+                    self._used += nbytes
+                    written[i] = True
+        ok, declined = sum(written), sum(1 for i in batch if not written[i])
+        self._count(puts=ok, put_bytes=sum(n for (_, n), w in zip(items, written) if w),
+                    dropped_puts=len(items) - ok - declined)
         return written
 
+    def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
+        views = self._views(items)
+
+        def copy(dests: list[np.ndarray | None]) -> list[bool]:
+            for dest, (_, view) in zip(dests, views):
+                if dest is not None:
+                    dest[:] = np.frombuffer(view, np.uint8)
+            return [dest is not None for dest in dests]
+
+        return self._write([(key, view.nbytes) for key, view in views], copy)
+
+    def write_many(self, items: Sequence[tuple[bytes, int]], fill: Fill) -> list[bool]:
+        """Reserve a slot per value, let `fill` write into them (None: no room, or a later item of the
+        batch replaces or evicts that one), then publish those it filled. Returns put_many's flags."""
+        keys = [key for key, _ in self._views([(key, b"") for key, _ in items])]  # put_many's key checks
+        sizes = [int(n) for _, n in items]
+        for n in sizes:
+            if n < 0:
+                raise ValueError(f"a value size must not be negative, got {n}")
+            if n > self.max_entry_bytes:
+                raise EntryTooLargeError(
+                    f"a {n}-byte value cannot fit in {self.url}: it takes entries up to {self.max_entry_bytes} "
+                    f"bytes (capacity {self.capacity} bytes); raise the capacity")
+        return self._write(list(zip(keys, sizes)), fill)
+
+    # -- reads -----------------------------------------------------------------------------------
     def read_many(self, keys: Sequence[bytes], consume: Callable[[int, memoryview], None]) -> list[bool]:
-        served, nbytes = [], 0
-        for i, key in enumerate(keys):
+        held = self._hold(keys, touch=True)
+        try:
+            for i, entry in enumerate(held):
+                if entry is not None:
+                    consume(i, memoryview(entry[1]))  # outside the lock; the hold keeps the bytes
+        finally:
             with self._lock:
-                array = self._entries.get(key)
-                if array is not None:
-                    self._entries.move_to_end(key)
-            if array is None:
-                served.append(False)
-                continue
-            # An evicted array stays valid while we hold it: eviction drops the dict's reference only.
-            consume(i, memoryview(array))
-            served.append(True)
-            nbytes += array.nbytes
-        hits = sum(served)
-        self._count(hits=hits, misses=len(keys) - hits, get_bytes=nbytes)
-        return served
+                self._release_holds(h[0] for h in held if h is not None)
+        return [h is not None for h in held]
+
+    def acquire(self, keys: Sequence[bytes], *, touch: bool = True) -> list[Lease | None]:
+        """Hold each present value in its slot (None for a miss) until `release`; do not write the views."""
+        leases: list[Lease | None] = []
+        held = self._hold(keys, touch)
+        with self._lock:
+            for key, entry in zip(keys, held):
+                lease = None
+                if entry is not None:
+                    lease = Lease(bytes(key), entry[1], next(_lease_ids))
+                    self._leases[lease.slot] = entry[0]
+                leases.append(lease)
+        return leases
+
+    def release(self, leases: Iterable[Lease | None]) -> None:
+        """Give back leases (None entries and private copies are ignored). A lease released twice, or
+        not from this store, raises ValueError once the others are released."""
+        with self._lock:
+            slots, unknown = [], 0
+            for lease in leases:
+                if lease is not None and lease.slot is not None:
+                    slot = self._leases.pop(lease.slot, None)
+                    unknown += slot is None
+                    if slot is not None:
+                        slots.append(slot)
+            self._release_holds(slots)
+        if unknown and not self._closed:
+            raise ValueError(f"{unknown} lease(s) released twice or not acquired from {self.url}")
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
-            return [k in self._entries for k in keys]
+            return [k in self._index for k in keys]
 
     def delete(self, key: bytes) -> bool:
         with self._lock:
-            array = self._entries.pop(key, None)
-            if array is not None:
-                self._used -= array.nbytes
-        return array is not None
+            present = key in self._index
+            if present:
+                self._unindex(key)
+        return present
 
     def _usage(self) -> dict[str, int]:
         with self._lock:
-            return {"entries": len(self._entries), "bytes_used": self._used, "pinned": int(self.pinned)}
+            free = sum(c.size // c.slot_bytes - c.used for c in self._chunks.values() if c.slot_bytes)
+            return {"entries": len(self._index), "bytes_used": self._used, "pinned": int(self.pinned),
+                    "arena_bytes": self._reserved, "chunks": len(self._chunks), "slots_free": free,
+                    "held": len(self._holds) + self._pending}
 
     def close(self) -> None:
+        """Drop every value and chunk (views still held elsewhere keep their own memory alive)."""
         with self._lock:
-            self._entries.clear()
-            self._used = 0
+            for table in (self._index, self._chunks, self._open, self._pool, self._holds, self._leases):
+                table.clear()
+            self._orphans.clear()
+            self._reserved = self._used = 0
+            self._closed = True

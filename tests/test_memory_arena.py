@@ -1,0 +1,364 @@
+"""The memory tier's pinned arena: size-class slots in chunks under a hard byte cap, LRU eviction that
+moves memory between classes, held slots (reads, leases, in-flight writes) that nothing overwrites."""
+
+import threading
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from kvoffload.store import EntryTooLargeError
+from kvoffload.store.memory import PAGE, MemoryStore
+
+KiB = 1024
+
+
+def _bytes(seed: int, n: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def audit(store: MemoryStore) -> None:
+    """Invariants of the arena, from its bookkeeping (no write in flight)."""
+    stats = store.stats()
+    assert stats["arena_bytes"] <= store.capacity
+    assert stats["bytes_used"] <= stats["arena_bytes"]
+    assert sum(c.size for c in store._chunks.values()) == stats["arena_bytes"]
+    assert stats["bytes_used"] == sum(n for _, n in store._index.values())
+    slots = [slot for slot, _ in store._index.values()] + list(store._orphans)
+    assert len(set(slots)) == len(slots), "two values share a slot"
+    per_chunk = Counter(slot >> 32 for slot in slots)
+    for cid, chunk in store._chunks.items():
+        assert chunk.used == per_chunk[cid]
+        assert (chunk.used == 0) == (cid in store._pool)
+        assert chunk.carved <= (chunk.size // chunk.slot_bytes if chunk.slot_bytes else 0)
+    for slot, n in store._index.values():
+        assert n <= store._chunks[slot >> 32].slot_bytes
+
+
+def test_byte_exact_round_trips_across_size_classes():
+    store = MemoryStore(16 << 20, pinned=False)
+    sizes = [0, 1, 4095, 4096, 4097, 12288, 65537, 1 << 20, (3 << 20) + 5]
+    values = {b"k%d" % i: _bytes(i, n) for i, n in enumerate(sizes)}
+    assert store.put_many(list(values.items())) == [True] * len(values)
+    for key, value in values.items():
+        assert store.get(key) == value
+        out = bytearray(len(value) + 3)
+        assert store.get_into(key, out) == len(value) and out[:len(value)] == value
+    leases = store.acquire(list(values) + [b"absent"])
+    assert leases[-1] is None
+    for lease, (key, value) in zip(leases, values.items()):
+        assert lease.key == key and lease.view.tobytes() == value
+    store.release(leases)
+    stats = store.stats()
+    assert stats["entries"] == len(values) and stats["bytes_used"] == sum(sizes) and stats["held"] == 0
+    assert stats["chunks"] >= 6  # one class per chunk: 4K, 8K, 12K, 68K, 1M, 3M+4K
+    audit(store)
+
+
+def test_capacity_is_never_exceeded_under_a_random_mixed_workload():
+    cap = 1 << 20
+    store = MemoryStore(cap, pinned=False)
+    rng = np.random.default_rng(3)
+    model: dict[bytes, bytes] = {}
+    leases = []
+    for step in range(1500):
+        op = rng.random()
+        key = b"k%d" % rng.integers(0, 150)
+        size = int(rng.choice([1, 3000, 4096, 7000, 20000, 60000, 200000])) + int(rng.integers(0, 50))
+        if op < 0.5:
+            value = _bytes(step, size)
+            stored = store.put(key, value)
+            assert stored or leases, "a value under the chunk size always fits when nothing is held"
+            if stored:
+                model[key] = value
+        elif op < 0.6:
+            value = _bytes(step, size)
+
+            def fill(dests, value=value):
+                if dests[0] is not None:
+                    dests[0][:] = np.frombuffer(value, np.uint8)
+                return [dests[0] is not None and rng.random() < 0.8]
+
+            if store.write_many([(key, size)], fill)[0]:
+                model[key] = value
+        elif op < 0.7:
+            store.delete(key)
+            model.pop(key, None)
+        elif op < 0.8 and len(leases) < 4:
+            leases += [(lease, lease.view.tobytes()) for lease in store.acquire([key]) if lease]
+        elif op < 0.85 and leases:
+            lease, original = leases.pop(0)
+            assert lease.view.tobytes() == original  # never overwritten while held
+            store.release([lease])
+        else:
+            got = store.get(key)
+            assert got is None or got == model[key]
+        for k in [k for k in model if not store.contains(k)]:
+            del model[k]  # evicted
+        audit(store)
+    for key, value in model.items():
+        assert store.get(key) == value
+    store.release([lease for lease, _ in leases])
+    assert store.stats()["evictions"] > 0 and store.stats()["held"] == 0
+    audit(store)
+
+
+def test_eviction_is_least_recently_used_and_moves_memory_between_classes():
+    store = MemoryStore(1 << 20, pinned=False)  # 64 KiB chunks
+    small = {b"a%03d" % i: _bytes(i, 4096) for i in range(256)}  # exactly fills the arena
+    assert store.put_many(list(small.items())) == [True] * 256
+    assert store.stats()["arena_bytes"] == 1 << 20
+    assert store.get(b"a000") == small[b"a000"]  # now the most recent
+    allocations = []
+    allocate = store._allocate
+    store._allocate = lambda n: allocations.append(n) or allocate(n)
+    large = {b"b%d" % i: _bytes(1000 + i, 60000) for i in range(4)}  # another class: needs whole chunks
+    assert store.put_many(list(large.items())) == [True] * 4
+    assert allocations == []  # the emptied chunks were taken over, not reallocated
+    for key, value in large.items():
+        assert store.get(key) == value
+    order = [k for k in small if k != b"a000"]  # recency order, oldest first
+    present = [store.contains(k) for k in order]
+    gone = present.index(True)
+    assert gone >= 4 * 16 - 1 and not any(present[:gone]) and all(present[gone:])  # a prefix went
+    assert store.contains(b"a000")
+    assert store.stats()["evictions"] == gone and store.stats()["arena_bytes"] <= 1 << 20
+    audit(store)
+    # and back: small values take the large class's chunks once they are free
+    assert store.put_many([(b"c%03d" % i, b"c" * 4096) for i in range(256)]) == [True] * 256
+    assert not any(store.contains(k) for k in large) and allocations == []
+    audit(store)
+
+
+def test_a_held_lease_is_never_overwritten_and_its_slot_is_reused_after_release():
+    store = MemoryStore(64 * KiB, pinned=False)  # 16 slots of 4 KiB
+    original = _bytes(1, 4096)
+    assert store.put(b"k", original)
+    (lease,) = store.acquire([b"k"])
+    assert store.put(b"k", _bytes(2, 4096))  # overwritten: the key moves to a new slot
+    for i in range(40):  # pressure: everything evictable goes, repeatedly
+        assert store.put(b"f%d" % i, _bytes(100 + i, 4096))
+    assert lease.view.tobytes() == original
+    stats = store.stats()
+    assert stats["entries"] == 15 and stats["held"] == 1 and stats["arena_bytes"] == 64 * KiB
+    store.release([lease])
+    assert store.stats()["held"] == 0 and not store._orphans
+    for i in range(40, 56):
+        assert store.put(b"f%d" % i, _bytes(100 + i, 4096))
+    assert store.stats()["entries"] == 16  # the freed slot holds a value again
+    with pytest.raises(ValueError, match="released twice"):
+        store.release([lease])
+    store.release([None])
+    audit(store)
+
+
+def test_a_value_held_by_a_reader_is_evicted_only_after_the_read():
+    store = MemoryStore(16 * KiB, pinned=False)
+    values = {b"r%d" % i: _bytes(i, 4096) for i in range(4)}
+    store.put_many(list(values.items()))
+    seen = []
+
+    def consume(i, view):
+        for j in range(8):  # each put evicts the oldest unheld value, never this one
+            assert store.put(b"new%d-%d" % (i, j), _bytes(50 + j, 4096))
+        seen.append(bytes(view))
+
+    assert store.read_many([b"r0"], consume) == [True]
+    assert seen == [values[b"r0"]] and store.get(b"r0") == values[b"r0"]
+    assert store.stats()["evictions"] == 8
+    audit(store)
+
+
+def test_nothing_evictable_drops_the_put_and_counts_it():
+    store = MemoryStore(16 * KiB, pinned=False)
+    assert store.put_many([(b"h%d" % i, b"x" * 4096) for i in range(4)]) == [True] * 4
+    leases = store.acquire([b"h%d" % i for i in range(4)])
+    assert store.put(b"more", b"y" * 10) is False
+    seen = []
+    assert store.write_many([(b"w", 10)], lambda dests: seen.extend(dests) or [False]) == [False]
+    assert seen == [None]
+    assert store.stats()["dropped_puts"] == 2 and not store.contains(b"more")
+    store.release(leases)
+    assert store.put(b"more", b"y" * 10)
+    audit(store)
+
+
+def test_a_batch_reports_what_it_evicted_or_overwrote_itself():
+    store = MemoryStore(16 * KiB, pinned=False)
+    ok = store.put_many([(b"b%d" % i, _bytes(i, 4000)) for i in range(10)])
+    assert ok == [False] * 6 + [True] * 4
+    assert [store.contains(b"b%d" % i) for i in range(10)] == ok
+    assert store.put_many([(b"dup", b"one"), (b"dup", b"two")]) == [False, True]
+    assert store.get(b"dup") == b"two"
+    assert store.stats()["dropped_puts"] == 7
+    audit(store)
+
+
+def test_write_many_fills_invisible_slots_then_publishes():
+    store = MemoryStore(1 << 20, pinned=False)
+    store.put(b"old", b"previous")
+    items = [(b"a", 5), (b"b", 4096 + 1), (b"old", 3), (b"c", 0)]
+    during = {}
+
+    def fill(dests):
+        during["sizes"] = [d.nbytes for d in dests]
+        during["writable"] = all(d.flags.writeable and d.dtype == np.uint8 for d in dests)
+        during["visible"] = store.contains_many([k for k, _ in items])
+        during["read"] = store.get(b"a"), store.get(b"old")  # no deadlock: fill runs outside the lock
+        for (key, n), dest in zip(items, dests):
+            dest[:] = np.frombuffer((key * n)[:n], np.uint8)
+        return [True] * len(items)
+
+    assert store.write_many(items, fill) == [True] * 4
+    assert during == {"sizes": [5, 4097, 3, 0], "writable": True, "visible": [False, False, True, False],
+                      "read": (None, b"previous")}
+    for key, n in items:
+        assert store.get(key) == (key * n)[:n]
+    assert store.stats()["puts"] == 5 and store.stats()["held"] == 0
+    audit(store)
+
+
+def test_write_many_publishes_only_what_fill_wrote():
+    store = MemoryStore(1 << 20, pinned=False)
+    store.put(b"keep", b"old value")
+
+    def fill(dests):
+        for dest in dests:
+            dest[:] = 7
+        return [False, True]
+
+    assert store.write_many([(b"keep", 4), (b"new", 4)], fill) == [False, True]
+    assert store.get(b"keep") == b"old value" and store.get(b"new") == b"\x07" * 4
+    assert store.stats()["dropped_puts"] == 0  # declined by the caller, not dropped by the tier
+
+    def broken(dests):
+        raise RuntimeError("device copy failed")
+
+    with pytest.raises(RuntimeError, match="device copy"):
+        store.write_many([(b"x", 10), (b"y", 10)], broken)
+    assert not store.contains(b"x") and store.stats()["held"] == 0
+    audit(store)
+
+
+def test_values_over_the_chunk_size_are_refused_whole():
+    store = MemoryStore(1 << 20, pinned=False, chunk_bytes=64 * KiB)
+    assert store.max_entry_bytes == 64 * KiB
+    assert store.put(b"edge", b"e" * (64 * KiB))
+    with pytest.raises(EntryTooLargeError, match="entries up to 65536"):
+        store.put_many([(b"ok", b"1"), (b"huge", b"h" * (64 * KiB + 1))])
+    with pytest.raises(EntryTooLargeError, match="entries up to 65536"):
+        store.write_many([(b"ok", 1), (b"huge", 64 * KiB + 1)], lambda dests: [True] * len(dests))
+    with pytest.raises(TypeError, match="non-empty bytes"):
+        store.write_many([(b"ok", 1), ("str", 1)], lambda dests: [True] * len(dests))
+    assert not store.contains(b"ok") and store.get(b"edge") == b"e" * (64 * KiB)
+    assert MemoryStore(1000, pinned=False).put(b"tiny", b"t" * 1000)  # a capacity under a page still works
+
+
+def test_acquire_touch_counts_and_refreshes_only_when_asked():
+    store = MemoryStore(8 * KiB, pinned=False)  # two slots
+    store.put_many([(b"a", b"1" * 100), (b"b", b"2" * 100)])
+    before = store.stats()
+    store.release(store.acquire([b"a", b"zz"], touch=False))
+    after = store.stats()
+    assert (after["hits"], after["misses"], after["get_bytes"]) == (before["hits"], before["misses"], 0)
+    store.put(b"c", b"3")  # a was not refreshed: it goes
+    assert not store.contains(b"a") and store.contains(b"b")
+    store.release(store.acquire([b"b", b"zz"]))
+    assert (store.stats()["hits"], store.stats()["misses"], store.stats()["get_bytes"]) == (1, 1, 100)
+    store.put(b"d", b"4")  # b was refreshed: c goes
+    assert store.contains(b"b") and not store.contains(b"c")
+
+
+# -- concurrency --------------------------------------------------------------------------------------
+
+def _value(kid: int, ver: int, n: int) -> np.ndarray:
+    """Self-describing: a header (key id, version, size) and a body derived from it."""
+    out = ((np.arange(n, dtype=np.uint32) * (2 * kid + 1) + ver) % 251).astype(np.uint8)
+    out[:12] = np.array([kid, ver, n], dtype="<u4").view(np.uint8)
+    return out
+
+
+def _check(kid: int, view) -> None:
+    got = np.frombuffer(view, np.uint8)
+    k, ver, n = np.frombuffer(got[:12].tobytes(), "<u4")
+    assert k == kid and n == got.nbytes, (kid, k, n, got.nbytes)
+    assert np.array_equal(got, _value(kid, int(ver), int(n))), f"torn value for key {kid}"
+
+
+def test_concurrent_mixed_operations_stay_consistent():
+    store = MemoryStore(512 * KiB, pinned=False)
+    nkeys, errors, deadline = 24, [], time.monotonic() + 3.0
+    sizes = [100, 4096, 9000, 20000, 50000]
+
+    def worker(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for step in range(4000):
+                if time.monotonic() > deadline:
+                    return
+                kid = int(rng.integers(0, nkeys))
+                key, n, op = b"k%d" % kid, int(rng.choice(sizes)) + int(rng.integers(0, 64)), rng.random()
+                if op < 0.25:
+                    store.put_many([(key, _value(kid, step, n)), (b"k%d" % ((kid + 1) % nkeys),
+                                                                  _value((kid + 1) % nkeys, step, n // 2 + 12))])
+                elif op < 0.45:
+                    def fill(dests):
+                        for dest in dests:
+                            if dest is not None:
+                                dest[:] = _value(kid, step, n)
+                        return [d is not None and rng.random() < 0.9 for d in dests]
+                    store.write_many([(key, n)], fill)
+                elif op < 0.7:
+                    ids = [int(i) for i in rng.integers(0, nkeys, 3)]
+                    store.read_many([b"k%d" % i for i in ids], lambda i, view: _check(ids[i], view))
+                elif op < 0.9:
+                    leases = store.acquire([key], touch=bool(rng.random() < 0.5))
+                    if leases[0] is not None:
+                        before = leases[0].view.tobytes()
+                        _check(kid, before)
+                        time.sleep(0)  # let the others overwrite and evict meanwhile
+                        assert leases[0].view.tobytes() == before
+                    store.release(leases)
+                else:
+                    store.delete(key)
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,), daemon=True) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+        if t.is_alive():
+            pytest.fail("a store operation stalled for 30 s (deadlock?)")
+    assert not errors, errors[0]
+    stats = store.stats()
+    assert stats["held"] == 0 and not store._orphans and stats["evictions"] > 0
+    audit(store)
+    for kid in range(nkeys):
+        store.read_many([b"k%d" % kid], lambda _, view, kid=kid: _check(kid, view))
+
+
+# -- on a GPU: the slots are pinned memory ----------------------------------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA (or ROCm) device")
+def test_slots_are_pinned_for_device_copies():
+    store = MemoryStore(64 << 20)
+    assert store.stats()["pinned"] == 1
+    page = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
+
+    def fill(dests):
+        dest = torch.from_numpy(dests[0])
+        assert dest.is_pinned()
+        dest.copy_(page, non_blocking=True)
+        torch.cuda.synchronize()
+        return [True]
+
+    assert store.write_many([(b"p", page.numel())], fill) == [True]
+    (lease,) = store.acquire([b"p"])
+    held = torch.from_numpy(lease.view)
+    assert held.is_pinned() and torch.equal(held.to("cuda", non_blocking=True), page)
+    store.release([lease])
+    assert store.stats()["arena_bytes"] % PAGE == 0 and store.stats()["chunks"] == 1

@@ -4,6 +4,10 @@
     lmdb:///abs/dir?capacity=100GiB
     redis://[user:password@]host:port/db?namespace=...   (rediss:// TLS; redis+cluster://h:p,h:p/ a cluster)
     tiered://?memory=4GiB&lmdb=/abs/dir&lmdb_capacity=100GiB[&redis=<redis URL, %-encoded if it has a query>]
+             [&write=behind|through][&behind_bytes=2GiB][&behind_age=30]
+        write=behind (default): a put returns once in memory; a background thread writes the disk behind it
+        (at most behind_bytes waiting, default min(memory/2, 2GiB); an entry waiting longer than behind_age
+        seconds, default 30, is dropped: kept in memory only). write=through: a put returns once on disk.
 """
 
 from __future__ import annotations
@@ -53,15 +57,38 @@ def open_store(url: str, *, fingerprint: bytes | str | None = None) -> Store:
 
         return RedisStore(url, fingerprint=fingerprint)
     if parsed.scheme == "tiered":
-        return _tiered(url, parsed.take({"memory", "lmdb", "lmdb_capacity", "pinned", "redis"}), fingerprint)
+        return _tiered(url, parsed.take({"memory", "lmdb", "lmdb_capacity", "pinned", "redis", "write", "behind_bytes",
+                                         "behind_age"}), fingerprint)
     raise StoreConfigError(f"unknown store scheme {parsed.scheme!r} in {redact_url(url)!r}: use memory://, lmdb://, "
                            "redis:// (rediss://, redis+cluster://) or tiered://")
 
 
 def _tiered(url: str, opts: dict[str, str], fingerprint) -> Store:
-    """Memory in front of LMDB, of Redis, or of LMDB in front of Redis (Redis is then the shared last tier)."""
+    """Memory in front of LMDB, of Redis, or of LMDB in front of Redis (Redis is then the shared last tier).
+    Memory writes the next tier behind (write=behind, the default) or through (write=through); LMDB in
+    front of Redis writes Redis through, on the memory tier's writer thread."""
     if "lmdb" not in opts and "redis" not in opts:
         raise StoreConfigError("tiered:// needs lmdb=/abs/dir and/or redis=<URL> (and optionally memory=): "
+                               f"{redact_url(url)!r}")
+    write = opts.get("write", "behind").lower()
+    if write not in ("behind", "through"):
+        raise StoreConfigError(f"tiered:// write= takes behind or through, got {opts['write'][:40]!r}")
+    behind = {}
+    if write == "through" and ({"behind_bytes", "behind_age"} & set(opts)):
+        raise StoreConfigError("tiered:// behind_bytes= and behind_age= apply to write=behind only: "
+                               f"{redact_url(url)!r}")
+    if "behind_bytes" in opts:
+        behind["behind_bytes"] = parse_size(opts["behind_bytes"], "behind_bytes")
+    if "behind_age" in opts:
+        try:
+            behind["behind_age"] = float(opts["behind_age"])
+        except ValueError:
+            behind["behind_age"] = float("nan")
+        if not 0 < behind["behind_age"] < float("inf"):
+            raise StoreConfigError(f"tiered:// behind_age= takes a positive number of seconds, got "
+                                   f"{opts['behind_age'][:40]!r}")
+    if "redis" in opts and parse_url(opts["redis"]).scheme not in REDIS_SCHEMES:
+        raise StoreConfigError("tiered:// redis= takes a redis://, rediss:// or redis+cluster:// URL: "
                                f"{redact_url(url)!r}")
     front = MemoryStore(parse_size(opts.get("memory", DEFAULT_MEMORY_CAPACITY), "memory capacity"),
                         pinned=_pinned(opts.get("pinned")))
@@ -70,12 +97,9 @@ def _tiered(url: str, opts: dict[str, str], fingerprint) -> Store:
         backs.append(LMDBStore(opts["lmdb"], parse_size(opts.get("lmdb_capacity", DEFAULT_LMDB_CAPACITY),
                                                         "lmdb_capacity"), fingerprint=fingerprint))
     if "redis" in opts:
-        if parse_url(opts["redis"]).scheme not in REDIS_SCHEMES:
-            raise StoreConfigError("tiered:// redis= takes a redis://, rediss:// or redis+cluster:// URL: "
-                                   f"{redact_url(url)!r}")
         backs.append(open_store(opts["redis"], fingerprint=fingerprint))
-    back = backs[0] if len(backs) == 1 else TieredStore(backs[0], backs[1])
-    return TieredStore(front, back, url=redact_url(url))
+    back = backs[0] if len(backs) == 1 else TieredStore(backs[0], backs[1], write="through")
+    return TieredStore(front, back, url=redact_url(url), write=write, **behind)
 
 
 _shared: dict[str, Store] = {}

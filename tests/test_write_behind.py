@@ -1,0 +1,379 @@
+"""tiered:// writes its disk tier behind: a put waits for memory only, a background thread commits to
+the back. Bounded (bytes, age), ordered (latest wins, deletes stay deleted), failures counted, and a
+SIGKILL mid-stream leaves on disk exactly what was reported durable, byte-exact."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import subprocess_env
+from kvoffload import open_store
+from kvoffload.store import MemoryStore, StoreConfigError, TieredStore
+from kvoffload.store.base import Store
+
+WAIT = 20.0  # seconds any wait in these tests may take before it is a failure
+
+
+def value_of(key: bytes, size: int | None = None) -> bytes:
+    """A value derived from its key: any stored value can be checked without a record of what was put."""
+    rng = np.random.default_rng(int.from_bytes(key, "little") % (1 << 63))
+    size = int(rng.integers(1, 64 << 10)) if size is None else size
+    return rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+class GatedStore(Store):
+    """A back tier whose writes wait on `gate` (so a test controls when the disk 'happens') and can fail."""
+
+    def __init__(self, inner: Store):
+        super().__init__()
+        self.inner, self.capacity, self.url = inner, inner.capacity, "gated://"
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.gate.set()
+        self.batches: list[list[tuple[bytes, bytes]]] = []
+        self.fail: str | None = None  # "raise" or "false"
+
+    def put_many(self, items):
+        self.entered.set()
+        if not self.gate.wait(WAIT):
+            raise RuntimeError("gate never opened")
+        self.batches.append([(k, bytes(memoryview(v))) for k, v in items])
+        if self.fail == "raise":
+            raise OSError("the disk is on fire")
+        if self.fail == "false":
+            return [False] * len(items)
+        return self.inner.put_many(items)
+
+    def read_many(self, keys, consume):
+        return self.inner.read_many(keys, consume)
+
+    def contains_many(self, keys):
+        return self.inner.contains_many(keys)
+
+    def delete(self, key):
+        return self.inner.delete(key)
+
+    def _usage(self):
+        return self.inner._usage()
+
+    def close(self):
+        self.inner.close()
+
+    def written(self) -> list[bytes]:
+        return [k for batch in self.batches for k, _ in batch]
+
+
+@pytest.fixture
+def gated():
+    """gated(**TieredStore options) -> (store, back): memory in front of a gated memory 'disk'."""
+    made = []
+
+    def make(memory=8 << 20, **options):
+        back = GatedStore(MemoryStore(64 << 20, pinned=False))
+        store = TieredStore(MemoryStore(memory, pinned=False), back, **options)
+        made.append((store, back))
+        return store, back
+
+    yield make
+    for store, back in made:
+        back.gate.set()
+        store.close()
+
+
+def test_put_returns_before_the_disk_write(gated):
+    store, back = gated()
+    back.gate.clear()
+    items = [(b"k%d" % i, value_of(b"k%d" % i)) for i in range(20)]
+    start = time.monotonic()
+    assert store.put_many(items) == [True] * 20
+    assert store.put(b"one more", b"x" * 1000)
+    assert time.monotonic() - start < WAIT / 4  # the gate holds the disk for WAIT seconds
+    assert back.entered.wait(WAIT)
+    assert [store.get(k) for k, _ in items] == [v for _, v in items]  # served by memory meanwhile
+    assert not any(back.inner.contains_many([k for k, _ in items]))
+    stats = store.stats()
+    assert stats["behind_queued"] == 21 and stats["behind_written"] == 0
+    assert stats["behind_queued_bytes"] == sum(len(v) for _, v in items) + 1000
+    assert not store.flush(0.2)  # still blocked
+    back.gate.set()
+    assert store.flush(WAIT)
+    assert [back.inner.get(k) for k, _ in items] == [v for _, v in items]
+    stats = store.stats()
+    assert stats["behind_queued"] == 0 and stats["behind_queued_bytes"] == 0
+    assert stats["behind_written"] == 21 and stats["behind_written_bytes"] == sum(len(v) for _, v in items) + 1000
+    assert stats["behind_dropped"] == stats["behind_failed"] == 0
+
+
+def test_write_many_is_queued_too(gated):
+    store, back = gated()
+    values = [value_of(b"w%d" % i, 5000 + i) for i in range(4)]
+
+    def fill(dests):
+        for dest, value in zip(dests, values):
+            dest[:] = np.frombuffer(value, np.uint8)
+        return [True] * len(dests)
+
+    assert store.write_many([(b"w%d" % i, len(v)) for i, v in enumerate(values)], fill) == [True] * 4
+    assert store.flush(WAIT)
+    assert [back.inner.get(b"w%d" % i) for i in range(4)] == values
+
+
+def test_flush_and_close_leave_lmdb_byte_exact(tmp_path):
+    url = f"tiered://?memory=16MiB&lmdb={tmp_path}/db&lmdb_capacity=64MiB"
+    keys = [b"key%d" % i for i in range(200)]
+    with open_store(url) as store:
+        assert store.behind_bytes == 8 << 20  # min(memory / 2, 2 GiB)
+        assert all(store.put_many([(k, value_of(k)) for k in keys]))
+        assert store.flush(WAIT)
+        assert store.stats()["behind_written"] == len(keys)
+        assert store.put(b"at close", b"c" * 777)  # close flushes
+    with open_store(f"lmdb://{tmp_path}/db?capacity=64MiB") as disk:
+        assert [disk.get(k) for k in keys] == [value_of(k) for k in keys]
+        assert disk.get(b"at close") == b"c" * 777
+
+
+def test_back_pressure_drops_exactly_and_never_blocks(gated):
+    store, back = gated(behind_bytes=10_000)
+    back.gate.clear()
+    start = time.monotonic()
+    for i in range(40):
+        assert store.put(b"p%d" % i, bytes([i]) * 1000)  # held in memory either way
+    assert time.monotonic() - start < WAIT / 4
+    stats = store.stats()
+    assert stats["behind_queued"] == 10 and stats["behind_queued_bytes"] == 10_000
+    assert stats["behind_dropped"] == 30 and stats["behind_dropped_bytes"] == 30_000
+    assert all(store.get(b"p%d" % i) == bytes([i]) * 1000 for i in range(40))
+    back.gate.set()
+    assert store.flush(WAIT)
+    assert back.written() == [b"p%d" % i for i in range(10)]
+    assert store.stats()["behind_written"] == 10
+
+
+def test_age_bound(gated):
+    store, back = gated(behind_age=0.5)
+    back.gate.clear()
+    assert store.put(b"first", b"1")
+    assert back.entered.wait(WAIT)  # the writer holds "first", blocked in the back
+    assert store.put_many([(b"old1", b"2"), (b"old2", b"3")]) == [True, True]
+    time.sleep(0.8)
+    assert store.put(b"fresh", b"4")  # queueing drops what waited too long
+    assert store.stats()["behind_dropped"] == 2 and store.stats()["behind_dropped_bytes"] == 2
+    back.gate.set()
+    assert store.flush(WAIT)
+    assert back.written() == [b"first", b"fresh"]
+    # and the writer drops what waited too long by the time it gets to it
+    back.gate.clear()
+    back.entered.clear()
+    assert store.put(b"second", b"5")
+    assert back.entered.wait(WAIT)
+    assert store.put(b"late", b"6")
+    time.sleep(0.8)
+    back.gate.set()
+    assert store.flush(WAIT)
+    assert back.written() == [b"first", b"fresh", b"second"]
+    assert store.stats()["behind_dropped"] == 3 and store.get(b"late") == b"6"  # kept in memory
+
+
+def test_a_rewritten_key_is_written_latest_last(gated):
+    store, back = gated()
+    back.gate.clear()
+    assert store.put(b"k", b"v1")
+    assert back.entered.wait(WAIT)  # v1 is being committed
+    assert store.put(b"k", b"v2")
+    assert store.put(b"other", b"o")
+    assert store.put(b"k", b"v3")  # replaces v2 in the queue
+    back.gate.set()
+    assert store.flush(WAIT)
+    assert [dict(batch).get(b"k") for batch in back.batches if b"k" in dict(batch)] == [b"v1", b"v3"]
+    assert back.inner.get(b"k") == b"v3" and store.get(b"k") == b"v3"
+    stats = store.stats()
+    assert stats["behind_dropped"] == 0 and stats["behind_written"] == 3 and stats["behind_queued_bytes"] == 0
+
+
+def test_delete_is_not_resurrected(gated):
+    store, back = gated()
+    back.gate.clear()
+    assert store.put(b"inflight", b"a" * 100)
+    assert back.entered.wait(WAIT)
+    assert store.put(b"queued", b"b" * 100)
+    start = time.monotonic()
+    assert store.delete(b"queued")  # only queued: taken out of the queue, no wait for the disk
+    assert time.monotonic() - start < WAIT / 4
+    results = []
+    deleter = threading.Thread(target=lambda: results.append(store.delete(b"inflight")), daemon=True)
+    deleter.start()
+    deleter.join(0.3)
+    assert deleter.is_alive()  # waits for the batch that is committing its key
+    back.gate.set()
+    deleter.join(WAIT)
+    if deleter.is_alive():
+        pytest.fail("delete never returned")
+    assert results == [True]
+    assert store.flush(WAIT)
+    assert back.written() == [b"inflight"]  # the queued value was never written
+    for key in (b"inflight", b"queued"):
+        assert store.get(key) is None and not store.contains(key) and not back.inner.contains(key)
+    assert not store.delete(b"queued")
+
+
+def test_disk_hits_are_promoted_into_memory_slots(tmp_path):
+    url = f"tiered://?memory=1MiB&lmdb={tmp_path}/db&lmdb_capacity=64MiB"
+    keys = [b"r%d" % i for i in range(8)]
+    big = value_of(b"big", 3 << 20)  # larger than the memory tier: written through, leased as a copy
+    with open_store(url) as store:
+        assert all(store.put_many([(k, value_of(k, 20_000)) for k in keys]))
+        assert store.put(b"big", big)
+    with open_store(url) as store:  # memory empty after a restart
+        outs = [np.zeros(20_000, np.uint8) for _ in keys]
+        assert store.get_many(keys, outs) == [20_000] * len(keys)
+        assert all(out.tobytes() == value_of(k, 20_000) for k, out in zip(keys, outs))
+        assert all(store.front.contains_many(keys))
+        stats = store.stats()
+        assert stats["disk_hits"] == len(keys) and stats["promotions"] == len(keys) and stats["memory_hits"] == 0
+        assert [store.get(k) for k in keys] == [value_of(k, 20_000) for k in keys]
+        assert store.stats()["memory_hits"] == len(keys)
+        assert store.stats()["behind_queued"] == 0 and store.stats()["behind_written"] == 0  # nothing re-written
+        assert store.front.delete(keys[0]) and store.front.delete(keys[1])
+        leases = store.acquire([keys[0], keys[1], keys[2], b"big", b"absent"])
+        try:
+            assert leases[4] is None
+            assert [bytes(lease.view) for lease in leases[:3]] == [value_of(k, 20_000) for k in keys[:3]]
+            assert bytes(leases[3].view) == big and leases[3].slot is None
+            assert all(store.front.contains_many(keys[:2]))  # promoted, then leased from memory
+            if store.in_place:
+                assert all(lease.slot is not None for lease in leases[:3])
+        finally:
+            store.release(leases)
+        assert store.stats()["promotions"] == len(keys) + 2
+
+
+@pytest.mark.parametrize("failure", ["raise", "false"])
+def test_a_failing_back_is_counted_never_raised(gated, failure, caplog):
+    durable = []
+    store, back = gated(on_durable=durable.extend)
+    back.fail = failure
+    assert store.put_many([(b"f%d" % i, b"x" * 10) for i in range(5)]) == [True] * 5
+    assert store.flush(WAIT)
+    assert store.stats()["behind_failed"] == 5 and store.stats()["behind_written"] == 0
+    assert durable == [] and store.get(b"f0") == b"x" * 10
+    assert store.stats()["behind_queued_bytes"] == 0  # the leases were given back
+    back.fail = None
+    assert store.put(b"after", b"y")
+    assert store.flush(WAIT)
+    assert durable == [b"after"] and back.inner.get(b"after") == b"y"
+
+
+def test_on_durable_errors_are_logged_not_fatal(gated, caplog):
+    calls = []
+
+    def broken(keys):
+        calls.append(keys)
+        raise RuntimeError("callback bug")
+
+    store, back = gated(on_durable=broken)
+    for i in range(3):
+        assert store.put(b"d%d" % i, b"z")
+        assert store.flush(WAIT)
+    assert calls == [[b"d0"], [b"d1"], [b"d2"]] and store.stats()["behind_written"] == 3
+    assert "on_durable callback failed" in caplog.text
+
+
+def test_url_options(tmp_path):
+    base = f"tiered://?memory=4MiB&lmdb={tmp_path}/db&lmdb_capacity=8MiB"
+    for options, message in [("&write=sideways", "write= takes behind or through"),
+                             ("&behind_age=-1", "behind_age= takes a positive"),
+                             ("&behind_age=nan", "behind_age= takes a positive"),
+                             ("&behind_age=soon", "behind_age= takes a positive"),
+                             ("&behind_bytes=0", "behind_bytes must be positive"),
+                             ("&behind_bytes=lots", "invalid behind_bytes"),
+                             ("&write=through&behind_age=5", "apply to write=behind only"),
+                             ("&behind_ages=5", "unknown option")]:
+        with pytest.raises(StoreConfigError, match=message):
+            open_store(base + options)
+    assert not os.path.exists(tmp_path / "db")  # refused before anything was opened
+    with open_store(base + "&behind_bytes=1MiB&behind_age=2.5") as store:
+        assert (store.write, store.behind_bytes, store.behind_age) == ("behind", 1 << 20, 2.5)
+    with open_store(base + "&write=through") as store:
+        assert store.put(b"k", b"durable now")
+        assert store.back.get(b"k") == b"durable now"  # on disk when put returned
+        assert store.stats()["behind_queued"] == 0 and store._thread is None
+
+
+def test_a_process_exiting_without_close_writes_what_is_queued(tmp_path):
+    script = ("import sys; from kvoffload import open_store; store = open_store(sys.argv[1]); "
+              "assert all(store.put_many([(b'e%d' % i, bytes([i]) * 50_000) for i in range(40)]))")
+    url = f"tiered://?memory=16MiB&lmdb={tmp_path}/db&lmdb_capacity=64MiB"
+    out = subprocess.run([sys.executable, "-c", script, url], env=subprocess_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    with open_store(f"lmdb://{tmp_path}/db?capacity=64MiB") as disk:
+        assert [disk.get(b"e%d" % i) for i in range(40)] == [bytes([i]) * 50_000 for i in range(40)]
+
+
+CHILD = """
+import os, sys, time
+sys.path.insert(0, os.path.join(os.environ["KVOFFLOAD_ROOT"], "tests"))
+from test_write_behind import value_of
+from kvoffload import open_store
+
+url, log_path, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+def durable(keys):
+    os.write(fd, b"".join(k + b"\\n" for k in keys))
+    os.fsync(fd)
+
+store = open_store(url)
+store.on_durable = durable
+for i in range(n):
+    key = b"key%06d" % i
+    assert store.put(key, value_of(key))
+    time.sleep(0.003)
+print("all put", flush=True)
+time.sleep(120)
+"""
+
+
+def test_sigkill_during_write_behind_loses_only_unreported_entries(tmp_path):
+    from conftest import ROOT
+
+    n = 1000  # about 32 MiB of values: the LMDB tier (64 MiB) never evicts, so a missing key was never written
+    log_path = tmp_path / "durable.log"
+    url = f"tiered://?memory=32MiB&lmdb={tmp_path}/db&lmdb_capacity=64MiB"
+    child = subprocess.Popen([sys.executable, "-c", CHILD, url, str(log_path), str(n)],
+                             env=subprocess_env(KVOFFLOAD_ROOT=ROOT), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and child.poll() is None:
+            if log_path.exists() and log_path.read_bytes().count(b"\n") >= 50:
+                break
+            time.sleep(0.01)
+        else:
+            out, err = child.communicate(timeout=WAIT) if child.poll() is not None else ("", "")
+            pytest.fail(f"the child reported no durable entries in time (rc {child.poll()}): {err[-2000:]}")
+        os.kill(child.pid, signal.SIGKILL)
+        out, err = child.communicate(timeout=WAIT)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(WAIT)
+    assert child.returncode == -signal.SIGKILL
+    assert "all put" not in out  # killed mid-stream
+    reported = [line for line in log_path.read_bytes().split(b"\n") if line]
+    assert len(reported) >= 50 and len(set(reported)) == len(reported)
+    with open_store(f"lmdb://{tmp_path}/db?capacity=64MiB") as disk:
+        present = {}
+        for i in range(n):
+            key = b"key%06d" % i
+            got = disk.get(key)
+            if got is not None:
+                present[key] = got
+    assert set(reported) <= set(present), sorted(set(reported) - set(present))[:5]
+    bad = [k for k, v in present.items() if v != value_of(k)]
+    assert not bad, bad[:5]

@@ -139,6 +139,8 @@ class _Engine:
         self.steps: list[dict] = []
         self.matched: dict[str, list[tuple[int, int]]] = defaultdict(list)  # req -> [(tokens, computed)]
         self.outputs: dict[str, list[tuple[list[int], object]]] = defaultdict(list)  # req -> [(tokens, finish)]
+        self.unreported_saves: list[int] = []  # save jobs the simulated worker has not reported done
+        self.awaiting: list[str] = []  # finished requests whose saves the scheduler waits for
 
         build = self.scheduler._build_kv_connector_meta
         manager = self.scheduler.kv_cache_manager
@@ -179,24 +181,37 @@ class _Engine:
         self.scheduler.add_request(request)
         return request
 
-    def step(self, finished_recving: set[str] | None = None, failed_recving: set[str] = frozenset()):
+    def step(self, finished_recving: set[str] | None = None, failed_recving: set[str] = frozenset(),
+             report_saves: bool = True):
         """One ``EngineCore.step``.  The worker's transfer results for this step are given by the caller
         (a failed load is in both sets, as ``get_transfer_results`` reports it); by default every
-        LoadJob of this step completes within it, as ``start_load_kv`` does."""
+        LoadJob of this step completes within it, and every SaveJob too (reported done, and the
+        requests awaiting their saves as finished sending), unless `report_saves` is False: then the
+        jobs stay in flight until a later step reports them."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
+        from kvoffload.connectors.vllm import StoredPages
+
         scheduler_output = self.scheduler.schedule()
+        meta = scheduler_output.kv_connector_metadata
         if finished_recving is None:
-            finished_recving = {job.req_id for job in scheduler_output.kv_connector_metadata.loads}
+            finished_recving = {job.req_id for job in meta.loads}
+        self.unreported_saves += [job.job_id for job in meta.saves]
+        self.awaiting += list(meta.await_saves)
+        report, sent = None, set()
+        if report_saves:
+            report = StoredPages(done_jobs={job: 1 for job in self.unreported_saves}) if self.unreported_saves else None
+            sent, self.unreported_saves, self.awaiting = set(self.awaiting), [], []
         req_ids = list(scheduler_output.num_scheduled_tokens)
         # Minimal runner output: one sampled token for a request whose prompt is now fully computed
         # (``_update_after_schedule`` already advanced num_computed_tokens), none mid-prefill.
         sampled = [[7] if self.scheduler.requests[r].num_computed_tokens >= self.scheduler.requests[r].num_tokens
                    else [] for r in req_ids]
         kv_output = None
-        if finished_recving or failed_recving:  # what KVOutputAggregator hands the scheduler
+        if finished_recving or failed_recving or report or sent:  # what KVOutputAggregator hands the scheduler
             kv_output = KVConnectorOutput(finished_recving=set(finished_recving) or None,
-                                          failed_recving=set(failed_recving))
+                                          failed_recving=set(failed_recving), finished_sending=sent or None,
+                                          kv_connector_worker_meta=report)
         outputs = self.scheduler.update_from_output(scheduler_output, ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled,
             kv_connector_output=kv_output))
@@ -512,3 +527,34 @@ def test_worker_layout_stores_only_used_bytes(tmp_path):
     assert all(g.used_bytes_per_block < sum(r.page_bytes * r.num_layers for r in g.regions) for g in kda)  # padding
     whole = len(cacheable) * layout.groups[0].regions[0].block_stride  # the whole packed block per group key
     assert stored / whole < 0.8
+
+
+def test_save_sources_stay_pinned_until_the_workers_report_them(tmp_path):
+    """Saves run in the background: every block a save job reads (PAGED blocks and the retired KDA
+    boundary blocks vLLM hands off) keeps a reference, and a finished request keeps its blocks
+    (`request_finished` -> True), until the save is reported; only then do they go back to the pool."""
+    vc, worker_cfg = _glm_vllm_config(BLOCK, f"lmdb://{tmp_path}/store?capacity=256MiB")
+    engine = _Engine(vc, worker_cfg)
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    engine.add("r", _prompt(7))
+    for _ in range(20):
+        if "r" not in engine.scheduler.requests or engine.scheduler.requests["r"].is_finished():
+            break
+        engine.step(report_saves=False)
+    jobs = [job for step in engine.steps for job in step["meta"].saves]
+    sources = {block_id for job in jobs for _, _, _, block_id in job.pages}
+    assert jobs and sources
+    engine.step(report_saves=False)  # the request has finished: its await goes out, nothing is reported
+    assert "r" in engine.scheduler.requests, "finished request freed before its saves were reported"
+    assert engine.awaiting == ["r"]
+    assert engine.connector.has_pending_block_frees()
+    assert all(pool.blocks[b].ref_cnt > 0 for b in sources), "a save's source block went back to the pool"
+    # A lookup meanwhile sees the pages of the saves in flight (the load would run after them).
+    probe = engine.add("probe", _prompt(7))
+    assert engine.connector.get_num_new_matched_tokens(probe, 0)[0] > 0
+    engine.scheduler.finish_requests("probe", __import__("vllm.v1.request", fromlist=["x"]).RequestStatus.FINISHED_ABORTED)
+    engine.step()  # the worker reports every job: unpinned, the request is sent and freed
+    assert "r" not in engine.scheduler.requests
+    assert not engine.connector.has_pending_block_frees()
+    assert all(pool.blocks[b].ref_cnt == 0 for b in sources)
+    assert not engine.connector._in_flight

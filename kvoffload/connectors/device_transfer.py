@@ -120,10 +120,25 @@ class DeviceTransfer:
         return tuple(np.concatenate(column) for column in zip(*parts))
 
     # -- device -> host ------------------------------------------------------------------------------
-    def pack(self, items: Sequence[Item]) -> Iterator[tuple[Sequence[Item], list[np.ndarray]]]:
-        """Yield (batch, a host view of each page) batch by batch; the views are valid until the next
-        batch is requested. The next batch's gather and copy are queued before this one is handed out.
-        The spans of all batches are planned at once (one vectorised pass, not one per batch)."""
+    def fence(self):
+        """An event after the device work queued so far (None on the CPU): a background save or load
+        passed it as `after` reads or writes the blocks only once that work is done."""
+        if not self.gpu:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _wait(self, direction: str, after) -> None:
+        if self.gpu:
+            stream = self.streams[direction]
+            stream.wait_event(after) if after is not None else stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def _staged(self, items: Sequence[Item], after=None, to_host: bool = True):
+        """Yield (batch, slot, page offsets in the slot) batch by batch, the pages gathered into the slot's
+        device buffer (and copied to its pinned host buffer when `to_host`); valid until the next batch
+        is requested. The next batch's gather is queued before this one is handed out. The spans of all
+        batches are planned at once (one vectorised pass, not one per batch)."""
         if not items:
             return
         sizes = self._sizes(items)
@@ -133,8 +148,7 @@ class DeviceTransfer:
         spans, lengths, at = spans[order], lengths[order], at[order]
         cuts = self._cuts(sizes)
         span_cuts = np.searchsorted(at, page_at[cuts[:-1]]).tolist() + [len(at)]
-        if self.gpu:  # saved: what compute queued before the first batch was asked for wrote, nothing later
-            self.streams["save"].wait_stream(torch.cuda.current_stream(self.device))
+        self._wait("save", after)  # saved: what compute queued before this call (or `after`) wrote, nothing later
 
         def queue(k: int) -> _Slot:
             first, last = cuts[k], cuts[k + 1] - 1
@@ -145,7 +159,8 @@ class DeviceTransfer:
             with self._on("save", wait=False):
                 self.copier.gather(spans[a:b], lengths[a:b], slot.device, at[a:b] - base, slot.table)
                 if self.gpu:
-                    slot.host[:total].copy_(slot.device[:total], non_blocking=True)
+                    if to_host:
+                        slot.host[:total].copy_(slot.device[:total], non_blocking=True)
                     slot.event.record()
             return slot
 
@@ -154,14 +169,19 @@ class DeviceTransfer:
             slot = queued
             if k + 2 < len(cuts):
                 queued = queue(k + 1)
-            slot.wait()
+            if to_host:
+                slot.wait()
             first, end = cuts[k], cuts[k + 1]
-            base = int(page_at[first])
-            yield items[first:end], [slot.host_bytes[o - base:o - base + n]
-                                     for o, n in zip(page_at[first:end].tolist(), sizes[first:end].tolist())]
+            yield items[first:end], slot, (page_at[first:end] - page_at[first]).tolist()
+
+    def pack(self, items: Sequence[Item], after=None) -> Iterator[tuple[Sequence[Item], list[np.ndarray]]]:
+        """Yield (batch, a pinned host view of each page) batch by batch; valid until the next batch."""
+        for batch, slot, offsets in self._staged(items, after):
+            yield batch, [slot.host_bytes[o:o + item[1].used_bytes_per_block] for item, o in zip(batch, offsets)]
 
     # -- host -> device ------------------------------------------------------------------------------
-    def unpack(self, batch: Sequence[Item], fill: Callable[[np.ndarray, list[int]], list[bool]], index: int = 0) -> list[bool]:
+    def unpack(self, batch: Sequence[Item], fill: Callable[[np.ndarray, list[int]], list[bool]], index: int = 0,
+               after=None) -> list[bool]:
         """`fill(host staging, page offsets)` writes the batch's pages into pinned staging and says which
         arrived; those are copied to the device and scattered into their blocks. Compute queued after
         this call waits for them; the host does not."""
@@ -173,7 +193,8 @@ class DeviceTransfer:
         spans, lengths, at = self._spans(batch, offsets, ok)
         if not len(spans):
             return ok
-        with self._on("load"):
+        self._wait("load", after)
+        with self._on("load", wait=False):
             if self.gpu:
                 slot.device[:total].copy_(slot.host[:total], non_blocking=True)
             self.copier.scatter(spans, lengths, slot.device, at, slot.table)
@@ -198,16 +219,37 @@ class DeviceTransfer:
             raise ValueError(f"a {group.name} page is {group.used_bytes_per_block} bytes, got {np.asarray(page).nbytes}")
         self.unpack([(b"", group, block)], fill)
 
-    def save(self, store: Store, pages: Sequence[Item]) -> list[bool]:
-        """Gather, copy to pinned staging and store the pages batch by batch; True per page stored."""
+    def save(self, store: Store, pages: Sequence[Item], after=None) -> list[bool]:
+        """Gather and store the pages batch by batch; True per page stored. Into an arena (`in_place`
+        store) each page is copied by DMA from device staging straight into its slot; other stores
+        take pinned host staging."""
         written: list[bool] = []
-        for batch, views in self.pack(pages):
-            written += store.put_many([(key, view) for (key, _, _), view in zip(batch, views)])
+        if not (store.in_place and self.gpu):
+            for batch, views in self.pack(pages, after):
+                written += store.put_many([(key, view) for (key, _, _), view in zip(batch, views)])
+            return written
+        for batch, slot, offsets in self._staged(pages, after, to_host=False):
+            def fill(destinations: list[np.ndarray | None], batch=batch, slot=slot, offsets=offsets) -> list[bool]:
+                with torch.cuda.stream(self.streams["save"]):
+                    for out, (_, group, _), at in zip(destinations, batch, offsets):
+                        if out is not None:
+                            torch.from_numpy(out).copy_(slot.device[at:at + group.used_bytes_per_block],
+                                                        non_blocking=True)
+                    slot.event.record()
+                slot.event.synchronize()  # published only once the bytes are in the slots
+                return [out is not None for out in destinations]
+
+            written += store.write_many([(key, group.used_bytes_per_block) for key, group, _ in batch], fill)
         return written
 
-    def load(self, store: Store, pages: Sequence[Item]) -> list[bool]:
-        """Read each batch from the store straight into pinned staging, then copy and scatter it; a page
-        missing, failing its checksum or of another size is a miss and is not scattered."""
+    def load(self, store: Store, pages: Sequence[Item], after=None) -> list[bool]:
+        """Restore the pages batch by batch; a page missing, failing its checksum or of another size is a
+        miss and is not scattered. From an arena the pages are copied by DMA straight from their slots;
+        from other stores they are read into pinned staging first. With `after` (a background load) the
+        copies start after it and this returns once they are done; without, compute queued after this
+        call waits for them and the host does not."""
+        if store.in_place and self.gpu:
+            return self._load_in_place(store, pages, after)
         ok: list[bool] = []
         for i, batch in enumerate(self.batches(pages)):
             def fill(host: np.ndarray, offsets: list[int], batch=batch) -> list[bool]:
@@ -222,6 +264,33 @@ class DeviceTransfer:
                 store.read_many([key for key, _, _ in batch], consume)
                 return arrived
 
-            ok += self.unpack(batch, fill, index=i % 2)
+            ok += self.unpack(batch, fill, index=i % 2, after=after)
+        if after is not None:
+            for index in (0, 1):
+                if ("load", index) in self._slots:
+                    self._slots[("load", index)].wait()
         return ok
 
+    def _load_in_place(self, store: Store, pages: Sequence[Item], after) -> list[bool]:
+        ok: list[bool] = []
+        for i, batch in enumerate(self.batches(pages)):
+            leases = store.acquire([key for key, _, _ in batch])
+            try:
+                arrived = [lease is not None and lease.view.nbytes == group.used_bytes_per_block
+                           for lease, (_, group, _) in zip(leases, batch)]
+                sizes = self._sizes(batch)
+                slot = self._slot("load", i % 2, int(sizes.sum()))
+                offsets = np.cumsum(sizes) - sizes
+                spans, lengths, at = self._spans(batch, offsets, arrived)
+                self._wait("load", after)
+                with self._on("load", wait=False):
+                    for lease, good, o in zip(leases, arrived, offsets.tolist()):
+                        if good:
+                            slot.device[o:o + lease.view.nbytes].copy_(torch.from_numpy(lease.view), non_blocking=True)
+                    self.copier.scatter(spans, lengths, slot.device, at, slot.table)
+                    slot.event.record()
+                slot.event.synchronize()  # the slots are read: they may be given back
+            finally:
+                store.release(leases)
+            ok += arrived
+        return ok

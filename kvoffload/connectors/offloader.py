@@ -7,6 +7,7 @@ False (the engine recomputes those blocks) and `save` store fewer pages; both ar
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -43,41 +44,50 @@ class Offloader:
     def __init__(self, store: Store, layout: CacheLayout, transfer, observer: Observer | None = None):
         self.store, self.layout, self.transfer, self.observer = store, layout, transfer, observer
         self.counters: Counter[str] = Counter()
-        self.missing_keys: list[bytes] = []  # pages the last failed load did not find
+        self._counter_lock = threading.Lock()  # loads and saves may run on background threads (`jobs`)
+        self.missing_keys: list[bytes] = []  # pages the last failed `load` did not find
+
+    def _count(self, **deltas: int) -> None:
+        with self._counter_lock:
+            self.counters.update(deltas)
 
     def lookup(self, block_keys: Sequence[bytes], num_prompt_tokens: int, have_blocks: int = 0) -> int:
         """Blocks a load could restore in total (>= have_blocks, what the engine already holds)."""
         try:
             found = hit_blocks(self.layout, block_keys, num_prompt_tokens, self.store.contains_many, have_blocks)
         except Exception as exc:  # noqa: BLE001 - a broken store is a miss, never a crash
-            log.error("kvoffload lookup failed: %s", exc)
-            self.counters["lookup_errors"] += 1
+            log.error("kvoffload lookup failed: %s", exc, exc_info=True)
+            self._count(lookup_errors=1)
             return have_blocks
-        self.counters["lookups"] += 1
-        self.counters["hit_blocks"] += found - have_blocks
+        self._count(lookups=1, hit_blocks=found - have_blocks)
         return found
 
     def load(self, block_keys: Sequence[bytes], start: int, end: int, block_ids: BlockTable) -> bool:
         """Restore blocks [start, end) into the request's block table; all or nothing."""
+        self.missing_keys = self.load_pages(block_keys, start, end, block_ids)
+        return not self.missing_keys
+
+    def load_pages(self, block_keys: Sequence[bytes], start: int, end: int, block_ids: BlockTable,
+                   after=None) -> list[bytes]:
+        """`load` for any thread: the keys of the pages that did not arrive (empty: all restored).
+        `after` is the transfer's fence: device work queued before it is done before the load writes."""
         pages = pages_for_load(self.layout, block_keys, start, end)
         started = time.perf_counter()
         try:
-            ok = self.transfer.load(self.store, [(p.key, p.group, physical_block(block_ids, p)) for p in pages])
+            ok = self.transfer.load(self.store, [(p.key, p.group, physical_block(block_ids, p)) for p in pages],
+                                    after=after)
         except Exception as exc:  # noqa: BLE001
-            log.error("kvoffload load failed: %s", exc)
-            ok = [False]
+            log.error("kvoffload load failed: %s", exc, exc_info=True)
+            ok = [False] * len(pages)
         if not all(ok):
-            self.counters["load_failures"] += 1
-            self.counters["pages_missing"] += ok.count(False)
-            self.missing_keys = [p.key for p, good in zip(pages, ok) if not good]
-            return False
-        self.counters["load_microseconds"] += int((time.perf_counter() - started) * 1e6)
-        self.counters["loaded_pages"] += len(pages)
-        self.counters["loaded_bytes"] += sum(p.group.used_bytes_per_block for p in pages)
+            self._count(load_failures=1, pages_missing=ok.count(False))
+            return [p.key for p, good in zip(pages, ok) if not good]
+        self._count(load_microseconds=int((time.perf_counter() - started) * 1e6), loaded_pages=len(pages),
+                    loaded_bytes=sum(p.group.used_bytes_per_block for p in pages))
         if self.observer:
             for page in pages:
                 self.observer.loaded(page, physical_block(block_ids, page))
-        return True
+        return []
 
     def save(self, block_keys: Sequence[bytes], full_blocks: int, state_blocks: Sequence[int],
              block_ids: BlockTable) -> int:
@@ -85,8 +95,9 @@ class Offloader:
         pages = pages_for_save(self.layout, block_keys, full_blocks, state_blocks)
         return len(self.save_pages([(p, physical_block(block_ids, p)) for p in pages]))
 
-    def save_pages(self, pages: Sequence[tuple[Page, int]]) -> list[Page]:
-        """Store explicit (page, physical block) pairs, skipping pages already stored; the pages written."""
+    def save_pages(self, pages: Sequence[tuple[Page, int]], after=None) -> list[Page]:
+        """Store explicit (page, physical block) pairs, skipping pages already stored; the pages written.
+        `after` is the transfer's fence: the pages are read after the device work queued before it."""
         try:
             present = self.store.contains_many([p.key for p, _ in pages])
             todo = [(p, block) for (p, block), there in zip(pages, present) if not there]
@@ -95,14 +106,12 @@ class Offloader:
                 for page, block in todo:
                     self.observer.saved(page, self.transfer.gather(page.group, block))
             started = time.perf_counter()
-            written = self.transfer.save(self.store, batch)
-            self.counters["save_microseconds"] += int((time.perf_counter() - started) * 1e6)
+            written = self.transfer.save(self.store, batch, after=after)
         except Exception as exc:  # noqa: BLE001
-            log.error("kvoffload save failed: %s", exc)
-            self.counters["save_errors"] += 1
+            log.error("kvoffload save failed: %s", exc, exc_info=True)
+            self._count(save_errors=1)
             return []
-        self.counters["saved_pages"] += sum(written)
-        self.counters["saved_bytes"] += sum(p.group.used_bytes_per_block for (p, _), w in zip(todo, written) if w)
-        self.counters["save_skipped_present"] += len(pages) - len(todo)
-        self.counters["save_dropped"] += len(written) - sum(written)
+        self._count(save_microseconds=int((time.perf_counter() - started) * 1e6), saved_pages=sum(written),
+                    saved_bytes=sum(p.group.used_bytes_per_block for (p, _), w in zip(todo, written) if w),
+                    save_skipped_present=len(pages) - len(todo), save_dropped=len(written) - sum(written))
         return [p for (p, _), w in zip(todo, written) if w]

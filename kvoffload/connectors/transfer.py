@@ -33,9 +33,13 @@ class HostTransfer:
     def __init__(self, buffer):
         self.buffer = _as_bytes(buffer)
 
-    def gather(self, group: CacheGroup, block: int) -> np.ndarray:
+    def fence(self) -> None:
+        """Host copies need no ordering token (the device transfer returns an event)."""
+        return None
+
+    def gather(self, group: CacheGroup, block: int, out: np.ndarray | None = None) -> np.ndarray:
         spans = page_spans(group, block)
-        out = np.empty(sum(n for _, n in spans), dtype=np.uint8)
+        out = np.empty(sum(n for _, n in spans), dtype=np.uint8) if out is None else out
         at = 0
         for offset, n in spans:
             out[at:at + n] = self.buffer[offset:offset + n]
@@ -48,11 +52,18 @@ class HostTransfer:
             self.buffer[offset:offset + n] = page[at:at + n]
             at += n
 
-    def save(self, store: Store, pages: Sequence[tuple[bytes, CacheGroup, int]]) -> list[bool]:
-        """Gather each (key, group, physical block) and store the batch; True per page made durable."""
-        return store.put_many([(key, self.gather(group, block)) for key, group, block in pages]) if pages else []
+    def save(self, store: Store, pages: Sequence[tuple[bytes, CacheGroup, int]], after=None) -> list[bool]:
+        """Gather each (key, group, physical block) straight into the store's destination (an arena slot,
+        or a buffer a persistent tier then writes); True per page made durable."""
+        def fill(destinations: list[np.ndarray | None]) -> list[bool]:
+            for (_, group, block), out in zip(pages, destinations):
+                if out is not None:
+                    self.gather(group, block, out)
+            return [out is not None for out in destinations]
 
-    def load(self, store: Store, pages: Sequence[tuple[bytes, CacheGroup, int]]) -> list[bool]:
+        return store.write_many([(key, group.used_bytes_per_block) for key, group, _ in pages], fill) if pages else []
+
+    def load(self, store: Store, pages: Sequence[tuple[bytes, CacheGroup, int]], after=None) -> list[bool]:
         """Fetch the batch and scatter every page that arrived verified and of the exact page size; a
         page of any other size is a miss (another layout's bytes can never land in this cache)."""
         ok = [False] * len(pages)

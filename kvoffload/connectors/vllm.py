@@ -15,7 +15,14 @@ in WAITING_FOR_REMOTE_KVS while its pages are restored, then runs): vLLM copies 
 states between blocks before a forward, so a state must be in place one step ahead; and a failed or
 corrupt load is reported as `failed_recving`, the one recompute path vLLM has for hybrid models.
 A request whose load failed is not offered a load again: it recomputes (and its pages are saved again).
-The copies themselves are plain (CPU) and done within the step.
+
+Nothing waits for the store inside the engine step: the worker submits loads and saves to one background
+thread (`jobs`) and reports them in a later step. The scheduler pins every block a save job reads (a
+reference on vLLM's block pool, as vLLM's own offloading does) until every worker reports the job done,
+so neither a finished, preempted or aborted request nor a retired recurrent-state block can be reused
+under a save; a finished request with saves also stays (`request_finished` returns True) until its saves
+are reported through `finished_sending`, which keeps the engine stepping until they are durable. Pages of
+a save in flight count as present for lookups: the load that follows runs after it, in order.
 
 Keys are kvoffload's own chained block keys (never vLLM's block hashes: those depend on a per-process
 seed unless PYTHONHASHSEED is fixed), salted with the request's `cache_salt`, LoRA and multimodal ids.
@@ -42,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..spec import GroupKind, KeyChain, page_key
 from ..spec.vllm import UnsupportedLayoutError, from_vllm, group_kinds, group_name
 from ..store import parse_url, shared_store
+from .jobs import Jobs
 from .offloader import Offloader
 from .plan import Page, hit_blocks
 from .transfer import make_transfer
@@ -74,24 +82,32 @@ class LoadJob:
 class SaveJob:
     req_id: str
     pages: list[tuple[bytes, int, int, int]]  # (block key, group index, block index, physical block id)
+    job_id: int = 0  # the scheduler's: reported back when the job is done, to unpin its blocks
 
 
 @dataclass
 class KVOffloadMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+    await_saves: list[str] = field(default_factory=list)  # finished requests to report via finished_sending
 
 
 @dataclass
 class StoredPages(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, every step: pages written (key -> bytes) and pages a load did not find.
-    The scheduler mirrors a memory:// store with it, since that store lives in the worker process."""
+    """Worker -> scheduler, every step: pages written (key -> bytes), pages a load did not find, and
+    save jobs done (job id -> number of workers reporting it). The scheduler mirrors a memory:// store
+    with it, since that store lives in the worker process, and unpins a job's blocks once every worker
+    has reported it."""
 
     added: dict[bytes, int] = field(default_factory=dict)
     missing: set[bytes] = field(default_factory=set)
+    done_jobs: dict[int, int] = field(default_factory=dict)
 
     def aggregate(self, other: StoredPages) -> StoredPages:
-        return StoredPages({**self.added, **other.added}, self.missing | other.missing)
+        done = dict(self.done_jobs)
+        for job, count in other.done_jobs.items():
+            done[job] = done.get(job, 0) + count
+        return StoredPages({**self.added, **other.added}, self.missing | other.missing, done)
 
 
 class _MirrorIndex:
@@ -131,6 +147,14 @@ class _RequestState:
     load_tables: dict[int, list[int]] | None = None  # their block tables, once allocated
     loaded: tuple[int, int] = (0, 0)  # (start, end) blocks a load job restored (or tried to)
     load_failed: bool = False  # a load for it failed: no more loads, it recomputes
+    sent_saves: bool = False  # a save job for it went to the workers
+
+
+@dataclass
+class _PinnedJob:
+    blocks: list  # vLLM KVCacheBlocks referenced until every worker reports the job
+    keys: list[bytes]  # rank-0 page keys in flight (present for lookups meanwhile)
+    reports: int = 0
 
 
 def rank_keys(keys: list[bytes], rank: int, size: int) -> list[bytes]:
@@ -179,15 +203,33 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._requests: dict[str, _RequestState] = {}
             self._plan_layout = _KindsLayout(self.kinds, kv_cache_config, self.block_size)
             self._mirror = _mirror_for(self.store_url)
-            self._presence = self._mirror.contains_many if self._mirror else shared_store(self.store_url).contains_many
+            self._store_presence = self._mirror.contains_many if self._mirror else shared_store(self.store_url).contains_many
+            self._block_pool = None  # vLLM binds it after construction
+            self._next_job = 0
+            self._pinned: dict[int, _PinnedJob] = {}
+            self._in_flight: Counter[bytes] = Counter()
+            self._await_saves: list[str] = []
+            self._workers = max(int(getattr(parallel, "world_size", 1) or 1), 1)
         else:
             self.offloader: Offloader | None = None
+            self.jobs: Jobs | None = None
+            self._saving: Counter[str] = Counter()  # request -> save jobs submitted and not done
+            self._awaited: set[str] = set()  # finished requests the scheduler waits on
             self._model_id = model_id
-            self._recv_done: set[str] = set()
-            self._recv_failed: set[str] = set()
             self._report = StoredPages()
 
     # ------------------------------------------------------------------ scheduler side
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+        self._block_pool = gpu_block_pool
+
+    def _presence(self, keys: list[bytes]) -> list[bool]:
+        """Stored, or written by a save job in flight (the load of them runs after it, in order)."""
+        stored = self._store_presence(keys)
+        return [there or key in self._in_flight for key, there in zip(keys, stored)]
+
+    def has_pending_block_frees(self) -> bool:
+        return bool(self._pinned)  # a save job's report will give blocks back: no need to preempt
+
     def _salted_chain(self, request: Request) -> KeyChain:
         salt = [getattr(request, "cache_salt", None) or ""]
         lora = getattr(request, "lora_request", None)
@@ -249,8 +291,39 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             job = self._save_job(req_id, state, scheduled, scheduler_output, block_state,
                                  handoffs.get(req_id, []))
             if job.pages:
+                self._pin(job)
+                state.sent_saves = True
                 meta.saves.append(job)
+        meta.await_saves, self._await_saves = self._await_saves, []
         return meta
+
+    def _pin(self, job: SaveJob) -> None:
+        """Reference the job's blocks in vLLM's pool until the workers report it (see the docstring)."""
+        self._next_job += 1
+        job.job_id = self._next_job
+        blocks = []
+        if self._block_pool is not None:
+            blocks = [self._block_pool.blocks[block_id] for _, _, _, block_id in job.pages]
+            self._block_pool.touch(blocks)
+        keys = [page_key(rank_keys([key], 0, self.tp_size)[0], group_name(g, self.kinds[g]))
+                for key, g, _, _ in job.pages]
+        self._in_flight.update(keys)
+        self._pinned[job.job_id] = _PinnedJob(blocks, keys)
+
+    def _unpin(self, job_id: int, reports: int) -> None:
+        pinned = self._pinned.get(job_id)
+        if pinned is None:
+            return
+        pinned.reports += reports
+        if pinned.reports < self._workers:
+            return
+        del self._pinned[job_id]
+        if pinned.blocks:
+            self._block_pool.free_blocks(pinned.blocks)
+        self._in_flight.subtract(pinned.keys)
+        for key in pinned.keys:
+            if self._in_flight[key] <= 0:
+                del self._in_flight[key]
 
     def _save_job(self, req_id, state, scheduled, scheduler_output, block_state, handoffs) -> SaveJob:
         computed = self._num_computed(req_id, scheduler_output)
@@ -285,8 +358,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output) -> None:
         report = getattr(connector_output, "kv_connector_worker_meta", None)
-        if self._mirror is not None and isinstance(report, StoredPages):
-            self._mirror.update(report)
+        if isinstance(report, StoredPages):
+            if self._mirror is not None:
+                self._mirror.update(report)
+            for job_id, count in report.done_jobs.items():
+                self._unpin(job_id, count)
         for req_id in getattr(connector_output, "failed_recving", None) or ():
             state = self._requests.get(req_id)
             if state is not None:
@@ -297,8 +373,16 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 state.loaded = (0, 0)
 
     def request_finished(self, request: Request, block_ids) -> tuple[bool, dict[str, Any] | None]:
-        self._requests.pop(request.request_id, None)
-        return False, None  # saves are synchronous: the blocks may be freed now
+        """Keep the blocks of a request with saves until the workers report them (finished_sending).
+        A request still waiting for a load is held by vLLM itself until the load reports."""
+        state = self._requests.pop(request.request_id, None)
+        from vllm.v1.request import RequestStatus
+
+        waiting_for_load = getattr(request, "status", None) == RequestStatus.WAITING_FOR_REMOTE_KVS
+        if state is None or not state.sent_saves or waiting_for_load:
+            return False, None
+        self._await_saves.append(request.request_id)
+        return True, None
 
     def request_finished_all_groups(self, request: Request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished(request, block_ids)
@@ -318,6 +402,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         raw = torch.empty(0, dtype=torch.uint8, device=any_cache.device).set_(any_cache.untyped_storage())
         transfer = make_transfer(raw)
         self.offloader = Offloader(shared_store(self.store_url, fingerprint=layout.fingerprint), layout, transfer)
+        self.jobs = Jobs(self.offloader, name=f"kvoffload-tp{self.tp_rank}")
         self.layout = layout
         log.info("KVOffloadConnector: %s, %d bytes stored per block", self.store_url,
                  layout.stored_bytes_per_block())
@@ -326,49 +411,63 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return rank_keys(keys, self.tp_rank, self.tp_size)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        """Submit this step's loads; they finish in the background (reported by get_transfer_results)."""
         meta = self._get_connector_metadata()
-        if not isinstance(meta, KVOffloadMetadata) or self.offloader is None:
+        if not isinstance(meta, KVOffloadMetadata) or self.jobs is None:
             return
         for job in meta.loads:
-            if self.offloader.load(self._rank_keys(job.block_keys), job.start, job.end, job.block_ids):
-                self._recv_done.add(job.req_id)
-            else:
-                self._recv_failed.add(job.req_id)
-                self._report.missing.update(self.offloader.missing_keys)
-                log.warning("KVOffloadConnector: load for %s failed; vLLM recomputes its prefix", job.req_id)
+            self.jobs.submit_load(job.req_id, self._rank_keys(job.block_keys), job.start, job.end, job.block_ids)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """Loads finish within the step that received them; a failed one is also 'finished' so the
-        request leaves its wait state, and vLLM recomputes it."""
-        done, failed = self._recv_done | self._recv_failed, self._recv_failed
-        self._recv_done, self._recv_failed = set(), set()
-        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+        """Loads and saves finished since the last step. A failed load is also 'finished' so the request
+        leaves its wait state, and vLLM recomputes it; a finished request is 'sent' once its saves ran."""
+        done, failed = set(), set()
+        for result in self.jobs.poll() if self.jobs is not None else ():
+            if result.kind == "load":
+                done.add(result.job_id)
+                if not result.ok:
+                    failed.add(result.job_id)
+                    self._report.missing.update(result.missing)
+                    log.warning("KVOffloadConnector: load for %s failed; vLLM recomputes its prefix", result.job_id)
+                continue
+            job_id, req_id = result.job_id
+            self._saving[req_id] -= 1
+            if self._saving[req_id] <= 0:
+                del self._saving[req_id]
+            self._report.done_jobs[job_id] = self._report.done_jobs.get(job_id, 0) + 1
+            for page in result.written:
+                self._report.added[page.key] = page.group.used_bytes_per_block
+        sent = {req_id for req_id in self._awaited if req_id not in self._saving}
+        self._awaited -= sent
+        return KVConnectorTransferResults(finished_sending=sent, finished_recving=done, failed_recving=failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
-        return None, results.finished_recving or None
+        return results.finished_sending or None, results.finished_recving or None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv
+        return  # loads are asynchronous: the request runs only after its load is reported
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
         return  # whole blocks are saved in wait_for_save (these hooks do not fire for indexer or KDA layers)
 
     def wait_for_save(self) -> None:
+        """Submit this step's saves (after the forward that computed them); nothing waits here."""
         meta = self._get_connector_metadata()
-        if not isinstance(meta, KVOffloadMetadata) or self.offloader is None:
+        if not isinstance(meta, KVOffloadMetadata) or self.jobs is None:
             return
         groups = self.offloader.layout.groups
         for job in meta.saves:
             keys = self._rank_keys([key for key, _, _, _ in job.pages])
             pages = [(Page(page_key(k, groups[g].name), groups[g], index), block)
                      for k, (_, g, index, block) in zip(keys, job.pages)]
-            for page in self.offloader.save_pages(pages):
-                self._report.added[page.key] = page.group.used_bytes_per_block
+            self._saving[job.req_id] += 1
+            self.jobs.submit_save((job.job_id, job.req_id), pages)
+        self._awaited.update(meta.await_saves)
 
     def build_connector_worker_meta(self) -> StoredPages | None:
         report, self._report = self._report, StoredPages()
-        return report if report.added or report.missing else None
+        return report if report.added or report.missing or report.done_jobs else None
 
     # ------------------------------------------------------------------ metrics
     def get_kv_connector_stats(self) -> KVOffloadStats | None:
@@ -390,7 +489,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return KVOffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
-        return  # the store is per process (shared_store) and closes with it; LMDB commits are durable
+        """Finish the queued saves (bounded); the store is per process (shared_store) and closes with it."""
+        if getattr(self, "jobs", None) is not None:
+            self.jobs.close()
 
 
 class _KindsLayout:

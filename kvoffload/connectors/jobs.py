@@ -1,0 +1,133 @@
+"""Saves and loads off the engine step: an `Offloader`'s work submitted as jobs, run in submission order
+on one background thread, and reported as results the engine polls.
+
+One thread, in order, on purpose: a load submitted after a save of the same pages finds them (the
+scheduler may count pages of a save still in flight as present), and a store sees one writer per
+engine. The engine keeps the blocks a job reads or writes alive until the job is reported (vLLM: the
+scheduler pins them). On a GPU the submitting thread passes a fence, so a job touches the blocks only
+after the compute queued before it; the job returns once its copies are done.
+Lock order: the queue's condition is never held while a job runs or a store is called."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .offloader import BlockTable, Offloader
+from .plan import Page
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class JobResult:
+    job_id: object  # the caller's id
+    kind: str  # "load" or "save"
+    ok: bool  # load: every page restored; save: it ran (some pages may have been dropped)
+    written: tuple[Page, ...] = ()  # save: the pages now in the store
+    missing: tuple[bytes, ...] = ()  # load: keys of the pages that did not arrive
+
+
+class Jobs:
+    def __init__(self, offloader: Offloader, name: str = "kvoffload-jobs"):
+        self.offloader = offloader
+        self._queue: deque = deque()
+        self._results: list[JobResult] = []
+        self._running = 0  # jobs taken off the queue and not yet reported
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        _live.add(self)
+
+    # -- submission (the engine's thread) ------------------------------------------------------------
+    def submit_load(self, job_id, block_keys: Sequence[bytes], start: int, end: int, block_ids: BlockTable) -> None:
+        fence = self.offloader.transfer.fence()
+        self._submit(("load", job_id, (list(block_keys), start, end, block_ids, fence)))
+
+    def submit_save(self, job_id, pages: Sequence[tuple[Page, int]]) -> None:
+        fence = self.offloader.transfer.fence()
+        self._submit(("save", job_id, (list(pages), fence)))
+
+    def _submit(self, job) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("kvoffload jobs: submitted after close")
+            self._queue.append(job)
+            self._cond.notify_all()
+
+    def poll(self) -> list[JobResult]:
+        """The results of the jobs finished since the last poll, in completion order."""
+        with self._cond:
+            results, self._results = self._results, []
+        return results
+
+    @property
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._queue) + self._running
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted job has run; False if `timeout` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._running:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout: float = 120.0) -> None:
+        """Finish the queued jobs (bounded by `timeout`, logged if cut short), then stop the thread."""
+        if not self.drain(timeout):
+            log.warning("kvoffload jobs: %d job(s) still queued after %.0f s at close; dropped", self.pending, timeout)
+        with self._cond:
+            self._closed = True
+            self._queue.clear()
+            self._cond.notify_all()
+        self._thread.join(timeout=5)
+        _live.discard(self)
+
+    # -- the background thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed and not self._queue:
+                    return
+                kind, job_id, args = self._queue.popleft()
+                self._running += 1
+            try:
+                result = self._load(job_id, *args) if kind == "load" else self._save(job_id, *args)
+            except Exception as exc:  # noqa: BLE001 - a failed job is a miss or a dropped save, never a crash
+                log.error("kvoffload %s job %s failed: %s", kind, job_id, exc, exc_info=True)
+                result = JobResult(job_id, kind, False)
+            with self._cond:
+                self._results.append(result)
+                self._running -= 1
+                self._cond.notify_all()
+
+    def _load(self, job_id, block_keys, start, end, block_ids, fence) -> JobResult:
+        missing = self.offloader.load_pages(block_keys, start, end, block_ids, after=fence)
+        return JobResult(job_id, "load", not missing, missing=tuple(missing))
+
+    def _save(self, job_id, pages, fence) -> JobResult:
+        return JobResult(job_id, "save", True, written=tuple(self.offloader.save_pages(pages, after=fence)))
+
+
+_live: weakref.WeakSet[Jobs] = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    """Saves acknowledged to nobody yet are still worth finishing when the process exits normally."""
+    for jobs in list(_live):
+        jobs.close(timeout=60.0)

@@ -17,7 +17,8 @@ INPUT_ERRORS = (StoreConfigError, ModelConfigError, FileNotFoundError, IsADirect
                 PermissionError)
 
 BENCHMARKS = {"store": "store", "footprint": "footprint", "ttft": "ttft", "transfer": "transfer",
-              "vllm-ttft": "vllm_ttft", "overhead": "overhead", "redis": "redis_tier", "faults": "faults"}  # name -> kvoffload.bench module
+              "vllm-ttft": "vllm_ttft", "overhead": "overhead", "redis": "redis_tier", "faults": "faults",
+              "datapath": "datapath"}  # name -> kvoffload.bench module
 
 
 def _refuse(exc: Exception) -> int:

@@ -35,8 +35,9 @@ def _transfer(buffer, use_triton, **options):
     return DeviceTransfer(buffer, use_triton=use_triton, **options)
 
 
+@pytest.mark.parametrize("pinned", ["false", "auto"])  # auto: pinned arena slots on a GPU machine
 @pytest.mark.parametrize("device,use_triton", PATHS)
-def test_pages_round_trip_byte_exact_across_staging_batches(device, use_triton):
+def test_pages_round_trip_byte_exact_across_staging_batches(device, use_triton, pinned):
     paged, state = _groups()
     source = torch.randint(0, 256, (32 * STRIDE,), dtype=torch.uint8)
     host = HostTransfer(source.clone())
@@ -44,7 +45,7 @@ def test_pages_round_trip_byte_exact_across_staging_batches(device, use_triton):
     # a staging slot of ~3 pages: many batches, both slots reused, one page larger than nothing else fits
     transfer = _transfer(source.to(device), use_triton, staging_bytes=3 * paged.used_bytes_per_block)
     assert len(transfer.batches(items)) > 4
-    store = open_store("memory://?capacity=4MiB&pinned=false")
+    store = open_store(f"memory://?capacity=4MiB&pinned={pinned}")
     assert transfer.save(store, items) == [True] * len(items)
     for key, group, block in items:
         assert bytes(store.get(key)) == host.gather(group, block).tobytes()
@@ -117,3 +118,32 @@ def test_streams_order_saves_after_compute_and_compute_after_loads():
     assert transfer.load(store, [(b"nines", paged, 2)]) == [True]
     seen = buffer[2 * STRIDE:2 * STRIDE + 3000].clone()  # compute after the load must see it
     assert bool((seen == 9).all())
+
+
+def test_adjacent_arena_slots_move_in_one_copy():
+    from kvoffload.connectors.device_transfer import _runs
+
+    arena = np.zeros(64, dtype=np.uint8)
+    views = [arena[0:8], arena[8:16], None, arena[32:40], arena[40:44]]
+    # adjacent in the arena and in staging: one run; a gap in either breaks it
+    assert list(_runs(views, [0, 8, 16, 24, 40])) == [(arena.ctypes.data, 0, 16), (arena.ctypes.data + 32, 24, 8),
+                                                      (arena.ctypes.data + 40, 32, 4)]
+
+
+@pytest.mark.skipif(not GPU, reason="a background save's fence needs a GPU")
+def test_background_save_after_a_fence_reads_what_compute_wrote():
+    import threading
+
+    paged, _ = _groups()
+    buffer = torch.zeros(8 * STRIDE, dtype=torch.uint8, device="cuda")
+    transfer = DeviceTransfer(buffer)
+    store = open_store("memory://?capacity=1MiB")
+    torch.cuda._sleep(100_000_000)
+    buffer.fill_(5)
+    fence = transfer.fence()  # taken on the engine's thread, after the compute that writes the block
+    result = []
+    worker = threading.Thread(target=lambda: result.append(transfer.save(store, [(b"k", paged, 1)], after=fence)))
+    worker.start()
+    worker.join(timeout=60)
+    assert result == [[True]]
+    assert bytes(store.get(b"k")) == b"\x05" * paged.used_bytes_per_block

@@ -79,6 +79,23 @@ def _transfer(ax, result):
     ax.set(ylabel="GB/s", title=f"Device <-> host pages ({result['machine'].get('device', '')})")
 
 
+def _datapath(ax, result):
+    labels, series = [], {"raw baseline": [], "kvoffload": []}
+    for workload, row in result["results"].items():
+        for direction in ("save", "load", "both"):
+            labels.append(f"{workload}\narena {direction}")
+            series["raw baseline"].append(row[f"raw_memcpy_{direction}_GBps"])
+            series["kvoffload"].append(row[f"arena_{direction}_GBps"])
+    tiered = result["results"]["all_groups"]["tiered_lmdb"]
+    for label, raw, ours in (("LMDB drain\n(write+fsync)", "raw_write_fsync_GBps", "drain_GBps"),
+                             ("LMDB-only load\n(sequential read)", "raw_sequential_read_GBps", "lmdb_only_load_GBps")):
+        labels.append(label)
+        series["raw baseline"].append(tiered[raw])
+        series["kvoffload"].append(tiered[ours])
+    _bars(ax, labels, series)
+    ax.set(ylabel="GB/s", title=f"Data path through the tiers, fresh keys ({result['machine'].get('device', '')})")
+
+
 def _redis(ax, result):
     rows = result["results"]
     _bars(ax, [f"{r['value_KiB']} KiB" for r in rows],
@@ -100,7 +117,8 @@ def _faults(ax, result):
 
 
 DRAW = {"store": _store, "footprint": _footprint, "ttft": _ttft, "vllm-ttft": _vllm_ttft, "overhead": _overhead,
-        "transfer": _transfer, "redis": _redis, "faults": _faults}
+        "transfer": _transfer, "redis": _redis, "faults": _faults,
+        "datapath": _datapath}
 
 
 def plot(result: dict, json_path: str) -> str:

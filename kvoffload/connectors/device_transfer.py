@@ -10,6 +10,7 @@ On a CPU buffer the same code runs without streams (used by the tests on machine
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 
@@ -134,13 +135,9 @@ class DeviceTransfer:
             stream = self.streams[direction]
             stream.wait_event(after) if after is not None else stream.wait_stream(torch.cuda.current_stream(self.device))
 
-    def _staged(self, items: Sequence[Item], after=None, to_host: bool = True):
-        """Yield (batch, slot, page offsets in the slot) batch by batch, the pages gathered into the slot's
-        device buffer (and copied to its pinned host buffer when `to_host`); valid until the next batch
-        is requested. The next batch's gather is queued before this one is handed out. The spans of all
-        batches are planned at once (one vectorised pass, not one per batch)."""
-        if not items:
-            return
+    def _plan(self, items: Sequence[Item]):
+        """Page sizes and offsets (back to back), every span of every page sorted by its place in the
+        staging order, and the batch cuts over pages and over spans."""
         sizes = self._sizes(items)
         page_at = np.cumsum(sizes) - sizes
         spans, lengths, at = self._spans(items, page_at)
@@ -148,6 +145,16 @@ class DeviceTransfer:
         spans, lengths, at = spans[order], lengths[order], at[order]
         cuts = self._cuts(sizes)
         span_cuts = np.searchsorted(at, page_at[cuts[:-1]]).tolist() + [len(at)]
+        return sizes, page_at, spans, lengths, at, cuts, span_cuts
+
+    def _staged(self, items: Sequence[Item], after=None, to_host: bool = True):
+        """Yield (batch, slot, page offsets in the slot) batch by batch, the pages gathered into the slot's
+        device buffer (and copied to its pinned host buffer when `to_host`); valid until the next batch
+        is requested. The next batch's gather is queued before this one is handed out. The spans of all
+        batches are planned at once (one vectorised pass, not one per batch)."""
+        if not items:
+            return
+        sizes, page_at, spans, lengths, at, cuts, span_cuts = self._plan(items)
         self._wait("save", after)  # saved: what compute queued before this call (or `after`) wrote, nothing later
 
         def queue(k: int) -> _Slot:
@@ -228,19 +235,29 @@ class DeviceTransfer:
             for batch, views in self.pack(pages, after):
                 written += store.put_many([(key, view) for (key, _, _), view in zip(batch, views)])
             return written
-        for batch, slot, offsets in self._staged(pages, after, to_host=False):
-            def fill(destinations: list[np.ndarray | None], batch=batch, slot=slot, offsets=offsets) -> list[bool]:
-                with torch.cuda.stream(self.streams["save"]):
-                    for out, (_, group, _), at in zip(destinations, batch, offsets):
-                        if out is not None:
-                            torch.from_numpy(out).copy_(slot.device[at:at + group.used_bytes_per_block],
-                                                        non_blocking=True)
-                    slot.event.record()
-                slot.event.synchronize()  # published only once the bytes are in the slots
-                return [out is not None for out in destinations]
+        return store.write_many([(key, group.used_bytes_per_block) for key, group, _ in pages],
+                                lambda destinations: self._fill_slots(pages, destinations, after))
 
-            written += store.write_many([(key, group.used_bytes_per_block) for key, group, _ in batch], fill)
-        return written
+    def _fill_slots(self, pages: Sequence[Item], destinations: list[np.ndarray | None], after) -> list[bool]:
+        """Gather each batch into device staging and copy it by DMA into its pages' arena slots (one copy
+        per run of adjacent slots), all queued on the save stream; the host waits only before reusing a
+        staging slot (two batches back) and once at the end, so the link never waits for the host."""
+        if not pages:
+            return []
+        sizes, page_at, spans, lengths, at, cuts, span_cuts = self._plan(pages)
+        self._wait("save", after)
+        for k in range(len(cuts) - 1):
+            first, end = cuts[k], cuts[k + 1]
+            base = int(page_at[first])
+            slot = self._slot("save", k % 2, int(page_at[end - 1] + sizes[end - 1]) - base)
+            a, b = span_cuts[k], span_cuts[k + 1]
+            with self._on("save", wait=False):
+                self.copier.gather(spans[a:b], lengths[a:b], slot.device, at[a:b] - base, slot.table)
+                for address, offset, n in _runs(destinations[first:end], (page_at[first:end] - base).tolist()):
+                    _host_tensor(address, n).copy_(slot.device[offset:offset + n], non_blocking=True)
+                slot.event.record()
+        self.streams["save"].synchronize()  # published only once the bytes are in the slots
+        return [out is not None for out in destinations]
 
     def load(self, store: Store, pages: Sequence[Item], after=None) -> list[bool]:
         """Restore the pages batch by batch; a page missing, failing its checksum or of another size is a
@@ -272,25 +289,52 @@ class DeviceTransfer:
         return ok
 
     def _load_in_place(self, store: Store, pages: Sequence[Item], after) -> list[bool]:
-        ok: list[bool] = []
-        for i, batch in enumerate(self.batches(pages)):
-            leases = store.acquire([key for key, _, _ in batch])
-            try:
-                arrived = [lease is not None and lease.view.nbytes == group.used_bytes_per_block
-                           for lease, (_, group, _) in zip(leases, batch)]
-                sizes = self._sizes(batch)
-                slot = self._slot("load", i % 2, int(sizes.sum()))
-                offsets = np.cumsum(sizes) - sizes
-                spans, lengths, at = self._spans(batch, offsets, arrived)
-                self._wait("load", after)
+        """Hold every page in its arena slot, copy them by DMA (one copy per run of adjacent slots) into
+        device staging and scatter, batch by batch on the load stream; give the slots back at the end."""
+        leases = store.acquire([key for key, _, _ in pages])
+        try:
+            arrived = [lease is not None and lease.view.nbytes == group.used_bytes_per_block
+                       for lease, (_, group, _) in zip(leases, pages)]
+            sizes = self._sizes(pages)
+            self._wait("load", after)
+            at_page = 0
+            for k, batch in enumerate(self.batches(pages)):
+                views = [lease.view if good else None
+                         for lease, good in zip(leases[at_page:at_page + len(batch)], arrived[at_page:at_page + len(batch)])]
+                batch_sizes = sizes[at_page:at_page + len(batch)]
+                offsets = np.cumsum(batch_sizes) - batch_sizes
+                slot = self._slot("load", k % 2, int(batch_sizes.sum()))
+                spans, lengths, at = self._spans(batch, offsets, arrived[at_page:at_page + len(batch)])
                 with self._on("load", wait=False):
-                    for lease, good, o in zip(leases, arrived, offsets.tolist()):
-                        if good:
-                            slot.device[o:o + lease.view.nbytes].copy_(torch.from_numpy(lease.view), non_blocking=True)
+                    for address, offset, n in _runs(views, offsets.tolist()):
+                        slot.device[offset:offset + n].copy_(_host_tensor(address, n), non_blocking=True)
                     self.copier.scatter(spans, lengths, slot.device, at, slot.table)
                     slot.event.record()
-                slot.event.synchronize()  # the slots are read: they may be given back
-            finally:
-                store.release(leases)
-            ok += arrived
-        return ok
+                at_page += len(batch)
+            self.streams["load"].synchronize()  # the slots are read: they may be given back
+        finally:
+            store.release(leases)
+        return arrived
+
+
+def _runs(views: Sequence[np.ndarray | None], offsets: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """(host address, staging offset, length) of each run of pages adjacent both in host memory (arena
+    slots carved in order) and in staging: one DMA per run instead of one per page."""
+    run = None
+    for view, offset in zip(views, offsets):
+        if view is None or not view.nbytes:
+            continue
+        address = view.ctypes.data
+        if run is not None and run[0] + run[2] == address and run[1] + run[2] == offset:
+            run[2] += view.nbytes
+            continue
+        if run is not None:
+            yield tuple(run)
+        run = [address, offset, view.nbytes]
+    if run is not None:
+        yield tuple(run)
+
+
+def _host_tensor(address: int, nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over host memory the caller holds (an arena run): torch sees it is pinned."""
+    return torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address)))

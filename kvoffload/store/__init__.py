@@ -1,6 +1,7 @@
 """WHERE bytes live: `open_store(url)` returns a `Store` for one of these tiers.
 
-    memory://?capacity=4GiB[&pinned=auto|true|false]
+    memory://?capacity=4GiB[&pinned=auto|true|false][&reserve=auto|true|false]
+        reserve: allocate the whole capacity at open (auto: when pinned; no save then waits for page-locking)
     lmdb:///abs/dir?capacity=100GiB
     redis://[user:password@]host:port/db?namespace=...   (rediss:// TLS; redis+cluster://h:p,h:p/ a cluster)
     tiered://?memory=4GiB&lmdb=/abs/dir&lmdb_capacity=100GiB[&redis=<redis URL, %-encoded if it has a query>]
@@ -29,10 +30,10 @@ __all__ = ["Store", "open_store", "shared_store", "MemoryStore", "LMDBStore", "T
            "EntryTooLargeError", "IncompatibleStoreError", "parse_size", "inspect_store"]
 
 
-def _pinned(option: str | None) -> bool | None:
+def _auto_bool(option: str | None, name: str) -> bool | None:
     if option is None or option.lower() == "auto":
         return None
-    return parse_bool(option, "pinned")
+    return parse_bool(option, name)
 
 
 def open_store(url: str, *, fingerprint: bytes | str | None = None) -> Store:
@@ -40,11 +41,12 @@ def open_store(url: str, *, fingerprint: bytes | str | None = None) -> Store:
     persistent entry and checked on every read: entries of another layout are never served."""
     parsed = parse_url(url)
     if parsed.scheme == "memory":
-        opts = parsed.take({"capacity", "pinned"})
+        opts = parsed.take({"capacity", "pinned", "reserve"})
         if parsed.path not in ("", "/"):
             raise StoreConfigError(f"memory:// takes no path, got {redact_url(parsed.path)!r} in {redact_url(url)!r}")
         capacity = parse_size(opts.get("capacity", DEFAULT_MEMORY_CAPACITY), "memory capacity")
-        return MemoryStore(capacity, pinned=_pinned(opts.get("pinned")), url=url)
+        return MemoryStore(capacity, pinned=_auto_bool(opts.get("pinned"), "pinned"), url=url,
+                           reserve=_auto_bool(opts.get("reserve"), "reserve"))
     if parsed.scheme == "lmdb":
         opts = parsed.take({"capacity"})
         if not parsed.path:
@@ -57,8 +59,8 @@ def open_store(url: str, *, fingerprint: bytes | str | None = None) -> Store:
 
         return RedisStore(url, fingerprint=fingerprint)
     if parsed.scheme == "tiered":
-        return _tiered(url, parsed.take({"memory", "lmdb", "lmdb_capacity", "pinned", "redis", "write", "behind_bytes",
-                                         "behind_age"}), fingerprint)
+        return _tiered(url, parsed.take({"memory", "lmdb", "lmdb_capacity", "pinned", "reserve", "redis", "write",
+                                         "behind_bytes", "behind_age"}), fingerprint)
     raise StoreConfigError(f"unknown store scheme {parsed.scheme!r} in {redact_url(url)!r}: use memory://, lmdb://, "
                            "redis:// (rediss://, redis+cluster://) or tiered://")
 
@@ -91,7 +93,8 @@ def _tiered(url: str, opts: dict[str, str], fingerprint) -> Store:
         raise StoreConfigError("tiered:// redis= takes a redis://, rediss:// or redis+cluster:// URL: "
                                f"{redact_url(url)!r}")
     front = MemoryStore(parse_size(opts.get("memory", DEFAULT_MEMORY_CAPACITY), "memory capacity"),
-                        pinned=_pinned(opts.get("pinned")))
+                        pinned=_auto_bool(opts.get("pinned"), "pinned"),
+                        reserve=_auto_bool(opts.get("reserve"), "reserve"))
     backs = []
     if "lmdb" in opts:
         backs.append(LMDBStore(opts["lmdb"], parse_size(opts.get("lmdb_capacity", DEFAULT_LMDB_CAPACITY),

@@ -18,7 +18,8 @@ def inspect_store(url: str) -> dict:
     if parsed.scheme in REDIS_SCHEMES:
         return _redis_stats(url)
     if parsed.scheme == "tiered":
-        opts = parsed.take({"memory", "lmdb", "lmdb_capacity", "pinned", "redis"})
+        opts = parsed.take({"memory", "lmdb", "lmdb_capacity", "pinned", "reserve", "redis", "write", "behind_bytes",
+                             "behind_age"})
         tiers = {"lmdb": read_stats(opts["lmdb"])} if "lmdb" in opts else {}
         if "redis" in opts:
             tiers["redis"] = _redis_stats(opts["redis"])

@@ -1,0 +1,261 @@
+"""The data path end to end, through the real tiers, with fresh keys every repetition (real saves, never
+keys already stored), against baselines measured in the same run on the same bytes:
+
+- memory tier (the pinned arena): save (device -> arena slots), load (arena slots -> device) and both
+  at once (two threads, each with its own transfer), against a raw pinned memcpy each way and both
+  ways at once. The arena is filled before timing (its chunks page-locked once, as in a running engine)
+  and every timed save evicts; `first_fill` reports the cold arena separately;
+- tiered memory + LMDB (write-behind): what the save keeps the engine waiting (the memory-tier save),
+  the background drain to LMDB against a raw write + fsync of the same bytes to the same file system,
+  and a load of a prefix that is only on LMDB (page cache dropped) against a raw sequential read.
+
+Two workloads, as `bench transfer`: every cacheable page of each block, and MLA latent + indexer pages
+only. Without a GPU the same code runs on a host buffer (it checks the benchmark, not the link)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+
+import numpy as np
+import torch
+
+from ..connectors.device_transfer import DeviceTransfer
+from ..spec import GroupKind
+from ..store import MemoryStore, open_store
+from .common import machine
+from .transfer import _device_name, _median_gbps, _nbytes, _sync
+
+
+def _pages(layout, blocks: range, kinds, tag: str) -> list:
+    groups = [g for g in layout.cacheable_groups if g.kind in kinds]
+    return [(f"{tag}/{g.name}-{b}".encode(), g, b) for b in blocks for g in groups]
+
+
+def run(quick: bool = False, preset: str = "pruned-4l", block_size: int = 64, blocks: int = 256,
+        repeats: int = 7, disk_dir: str | None = None, progress=None) -> dict:
+    from glm_integration.cache import PagedCache
+    from glm_integration.config import preset as make_preset
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if quick or device.type != "cuda":
+        preset, blocks, repeats = ("pruned-4l", 16, 3) if device.type == "cuda" else ("tiny", 32, 3)
+    cache = PagedCache(make_preset(preset), block_size, blocks, device=device)
+    cache.buffer.random_(0, 256)
+    progress = progress or (lambda message: None)
+    workloads = {"all_groups": {GroupKind.PAGED, GroupKind.STATE}, "mla_pages": {GroupKind.PAGED}}
+    results = {}
+    for name, kinds in workloads.items():
+        half = blocks // 2
+        results[name] = _memory_tier(cache, kinds, half, device, repeats)
+        progress(f"[bench datapath] {name} memory tier: {results[name]['bytes'] / 2**30:.2f} GiB each way; "
+                 + ", ".join(f"{k} {v}" for k, v in results[name]["ratios"].items()))
+    with tempfile.TemporaryDirectory(dir=disk_dir, prefix="kvoffload-datapath-") as tmp:
+        results["all_groups"]["tiered_lmdb"] = _tiered(cache, workloads["all_groups"], blocks // 2, device,
+                                                       max(2, repeats // 2), tmp)
+        progress(f"[bench datapath] tiered+lmdb: {results['all_groups']['tiered_lmdb']['ratios']}")
+    return {"benchmark": "datapath", "quick": quick, "machine": {**machine(), "device": _device_name(device)},
+            "geometry": {"preset": preset, "block_size": block_size, "cache_blocks": blocks, "repeats": repeats},
+            "results": results}
+
+
+def _raw(nbytes: int, device, repeats: int) -> dict:
+    gpu = device.type == "cuda"
+    src, back = (torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2))
+    host_out, host_in = (torch.empty(nbytes, dtype=torch.uint8, pin_memory=gpu) for _ in range(2))
+    streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)] if gpu else None
+
+    def save():
+        with torch.cuda.stream(streams[0]) if gpu else _null():
+            host_out.copy_(src, non_blocking=gpu)
+
+    def load():
+        with torch.cuda.stream(streams[1]) if gpu else _null():
+            back.copy_(host_in, non_blocking=gpu)
+
+    rows = {"raw_memcpy_save_GBps": _median_gbps(save, nbytes, repeats, device),
+            "raw_memcpy_load_GBps": _median_gbps(load, nbytes, repeats, device),
+            "raw_memcpy_both_GBps": _median_gbps(lambda: (save(), load()), 2 * nbytes, repeats, device)}
+    del src, back, host_out, host_in
+    return rows
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _memory_tier(cache, kinds, half: int, device, repeats: int) -> dict:
+    probe = _pages(cache.layout, range(half), kinds, "probe")
+    nbytes = _nbytes(probe)
+    rows = _raw(nbytes, device, repeats)
+    # Room for three repetitions' pages: the timed saves evict, and the pages a load reads stay.
+    store = MemoryStore(3 * nbytes + (256 << 20))
+    saver, loader = DeviceTransfer(cache.buffer), DeviceTransfer(cache.buffer)
+    counter = iter(range(1 << 30))
+
+    def fresh() -> list:
+        return _pages(cache.layout, range(half), kinds, f"r{next(counter)}")
+
+    def timed(fn) -> float:
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        return time.perf_counter() - start
+
+    first = fresh()
+    first_fill = timed(lambda: saver.save(store, first))
+    for _ in range(3):  # the arena reaches its capacity: from here on every save evicts
+        saver.save(store, fresh())
+    saves, loads, both = [], [], []
+    previous = fresh()
+    assert all(saver.save(store, previous)), "the memory tier dropped pages of a fresh save"
+    for _ in range(repeats):
+        items = fresh()
+        saves.append(timed(lambda: _all(saver.save(store, items), "save")))
+        into = [(key, g, b + half) for key, g, b in items]
+        loads.append(timed(lambda: _all(loader.load(store, into), "load")))
+        next_items = fresh()
+        both.append(_both(saver, loader, store, next_items, [(k, g, b + half) for k, g, b in items], device))
+    _check_round_trip(cache, items, half)
+    median = lambda xs, n=nbytes: round(n / float(np.median(xs)) / 1e9, 2)  # noqa: E731
+    rows.update({"arena_save_GBps": median(saves), "arena_load_GBps": median(loads),
+                 "arena_both_GBps": median(both, 2 * nbytes),
+                 "first_fill_save_GBps": round(nbytes / first_fill / 1e9, 2)})
+    stats = store.stats()
+    store.close()
+    ratio = lambda a, b: round(rows[a] / rows[b], 3)  # noqa: E731
+    return {"pages": len(probe), "bytes": nbytes, **rows, "arena_evictions": stats["evictions"],
+            "ratios": {"save_vs_memcpy": ratio("arena_save_GBps", "raw_memcpy_save_GBps"),
+                       "load_vs_memcpy": ratio("arena_load_GBps", "raw_memcpy_load_GBps"),
+                       "both_vs_memcpy": ratio("arena_both_GBps", "raw_memcpy_both_GBps")}}
+
+
+def _all(ok: list[bool], what: str) -> None:
+    if not all(ok):
+        raise RuntimeError(f"bench datapath: {ok.count(False)} of {len(ok)} pages failed to {what}")
+
+
+def _both(saver, loader, store, save_items, load_items, device) -> float:
+    """A save of fresh pages and a load of stored ones at once, each on its own thread and streams."""
+    errors = []
+
+    def work(fn):
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    _sync(device)
+    start = time.perf_counter()
+    threads = [threading.Thread(target=work, args=(lambda: _all(saver.save(store, save_items), "save"),)),
+               threading.Thread(target=work, args=(lambda: _all(loader.load(store, load_items), "load"),))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    _sync(device)
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - start
+
+
+def _check_round_trip(cache, items, half: int) -> None:
+    """The loaded blocks equal the saved ones, byte for byte (a fast path that moved the wrong bytes
+    would otherwise look fast)."""
+    from ..connectors.transfer import page_spans
+
+    for _, g, b in items[:64]:
+        for (src, n), (dst, _) in zip(page_spans(g, b), page_spans(g, b + half)):
+            if not torch.equal(cache.buffer[src:src + n], cache.buffer[dst:dst + n]):
+                raise RuntimeError(f"bench datapath: block {b} of {g.name} came back different")
+
+
+def _tiered(cache, kinds, half: int, device, repeats: int, tmp: str) -> dict:
+    items = _pages(cache.layout, range(half), kinds, "probe")
+    nbytes = _nbytes(items)
+    lmdb_capacity = (repeats + 1) * nbytes + (256 << 20)
+    url = (f"tiered://?memory={2 * nbytes + (256 << 20)}&lmdb={tmp}/store&lmdb_capacity={lmdb_capacity}"
+           f"&behind_bytes={2 * nbytes}")
+    store = open_store(url)
+    saver, loader = DeviceTransfer(cache.buffer), DeviceTransfer(cache.buffer)
+    waits, drains, loads, raw_writes, raw_reads = [], [], [], [], []
+    for rep in range(repeats):
+        fresh = _pages(cache.layout, range(half), kinds, f"t{rep}")
+        _sync(device)
+        start = time.perf_counter()
+        _all(saver.save(store, fresh), "save")
+        waits.append(time.perf_counter() - start)
+        if not store.flush(timeout=600):
+            raise RuntimeError("bench datapath: the write-behind did not drain in 10 minutes")
+        drains.append(time.perf_counter() - start)
+        raw_writes.append(_raw_write(tmp, nbytes))
+    stats = store.stats()
+    store.close()
+    # A prefix only on LMDB: a fresh process's view (empty memory tier), the data file out of the page cache.
+    for rep in range(repeats):
+        _drop_file_cache(os.path.join(tmp, "store", "data.mdb"))
+        store = open_store(url)
+        into = [(key, g, b + half) for key, g, b in _pages(cache.layout, range(half), kinds, f"t{rep}")]
+        loads.append(timed_load(loader, store, into, device))
+        store.close()
+        raw_reads.append(_raw_read(tmp, nbytes))
+    gbps = lambda xs: round(nbytes / float(np.median(xs)) / 1e9, 2)  # noqa: E731
+    rows = {"bytes": nbytes, "engine_wait_GBps": gbps(waits), "drain_GBps": gbps(drains),
+            "raw_write_fsync_GBps": gbps(raw_writes), "lmdb_only_load_GBps": gbps(loads),
+            "raw_sequential_read_GBps": gbps(raw_reads), "behind_written": stats.get("behind_written"),
+            "behind_dropped": stats.get("behind_dropped")}
+    rows["ratios"] = {"drain_vs_write_fsync": round(rows["drain_GBps"] / rows["raw_write_fsync_GBps"], 3),
+                      "lmdb_load_vs_sequential_read": round(rows["lmdb_only_load_GBps"]
+                                                            / rows["raw_sequential_read_GBps"], 3)}
+    return rows
+
+
+def timed_load(loader, store, items, device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    _all(loader.load(store, items), "load")
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _raw_write(tmp: str, nbytes: int, chunk: int = 64 << 20) -> float:
+    """Write `nbytes` sequentially into a new file and fsync it: the disk's own speed for these bytes."""
+    data = np.random.default_rng(0).integers(0, 256, chunk, dtype=np.uint8).tobytes()
+    path = os.path.join(tmp, "raw.bin")
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        left = nbytes
+        while left > 0:
+            left -= f.write(data[:min(chunk, left)])
+        f.flush()
+        os.fsync(f.fileno())
+    return time.perf_counter() - start
+
+
+def _raw_read(tmp: str, nbytes: int, chunk: int = 64 << 20) -> float:
+    path = os.path.join(tmp, "raw.bin")
+    _drop_file_cache(path)
+    buffer = bytearray(chunk)
+    start = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buffer):
+            pass
+    return time.perf_counter() - start
+
+
+def _drop_file_cache(path: str) -> None:
+    """Evict one file's pages from the page cache (no root needed: its pages are clean after fsync)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+

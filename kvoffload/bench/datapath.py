@@ -35,29 +35,32 @@ def _pages(layout, blocks: range, kinds, tag: str) -> list:
 
 
 def run(quick: bool = False, preset: str = "pruned-4l", block_size: int = 64, blocks: int = 256,
-        repeats: int = 7, disk_dir: str | None = None, progress=None) -> dict:
+        repeats: int = 7, disk_dir: str | None = None, progress=None, mla_blocks: int = 2048) -> dict:
     from glm_integration.cache import PagedCache
     from glm_integration.config import preset as make_preset
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if quick or device.type != "cuda":
         preset, blocks, repeats = ("pruned-4l", 16, 3) if device.type == "cuda" else ("tiny", 32, 3)
-    cache = PagedCache(make_preset(preset), block_size, blocks, device=device)
+        mla_blocks = blocks // 2
+    # MLA pages are small (tens of KiB a block): their workload takes many more blocks of the cache.
+    cache = PagedCache(make_preset(preset), block_size, max(blocks, 2 * mla_blocks), device=device)
     cache.buffer.random_(0, 256)
     progress = progress or (lambda message: None)
-    workloads = {"all_groups": {GroupKind.PAGED, GroupKind.STATE}, "mla_pages": {GroupKind.PAGED}}
+    workloads = {"all_groups": ({GroupKind.PAGED, GroupKind.STATE}, blocks // 2),
+                 "mla_pages": ({GroupKind.PAGED}, mla_blocks)}
     results = {}
-    for name, kinds in workloads.items():
-        half = blocks // 2
+    for name, (kinds, half) in workloads.items():
         results[name] = _memory_tier(cache, kinds, half, device, repeats)
         progress(f"[bench datapath] {name} memory tier: {results[name]['bytes'] / 2**30:.2f} GiB each way; "
                  + ", ".join(f"{k} {v}" for k, v in results[name]["ratios"].items()))
     with tempfile.TemporaryDirectory(dir=disk_dir, prefix="kvoffload-datapath-") as tmp:
-        results["all_groups"]["tiered_lmdb"] = _tiered(cache, workloads["all_groups"], blocks // 2, device,
+        results["all_groups"]["tiered_lmdb"] = _tiered(cache, workloads["all_groups"][0], blocks // 2, device,
                                                        max(2, repeats // 2), tmp)
         progress(f"[bench datapath] tiered+lmdb: {results['all_groups']['tiered_lmdb']['ratios']}")
     return {"benchmark": "datapath", "quick": quick, "machine": {**machine(), "device": _device_name(device)},
-            "geometry": {"preset": preset, "block_size": block_size, "cache_blocks": blocks, "repeats": repeats},
+            "geometry": {"preset": preset, "block_size": block_size, "blocks_per_workload":
+                         {name: half for name, (_, half) in workloads.items()}, "repeats": repeats},
             "results": results}
 
 

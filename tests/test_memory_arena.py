@@ -345,7 +345,10 @@ def test_concurrent_mixed_operations_stay_consistent():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA (or ROCm) device")
 def test_slots_are_pinned_for_device_copies():
-    store = MemoryStore(64 << 20)
+    reserved = MemoryStore(64 << 20)  # pinned: the whole arena is page-locked at open
+    assert reserved.stats()["arena_bytes"] == 64 << 20
+    reserved.close()
+    store = MemoryStore(64 << 20, reserve=False)
     assert store.stats()["pinned"] == 1
     page = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
 

@@ -20,7 +20,8 @@ import torch
 from .common import machine
 from .vllm_ttft import MODEL, engines
 
-NAMES = ["none", "noop_connector", "kvoffload_memory", "kvoffload_lmdb"]
+NAMES = ["none", "noop_connector", "kvoffload_memory", "kvoffload_lmdb", "kvoffload_tiered"]
+OURS = ("kvoffload_memory", "kvoffload_lmdb", "kvoffload_tiered")
 
 
 def run(quick: bool = False, progress=None) -> dict:
@@ -49,10 +50,10 @@ def run(quick: bool = False, progress=None) -> dict:
                              r["connector_seconds"] / r["steps"] for r in measured) * 1e3, 4)}
     base, hooks = results["none"]["step_ms"], results["noop_connector"]["step_ms"]
     own = {name: round(results[name]["connector_ms_per_step"] / base * 100, 2)
-           for name in ("kvoffload_memory", "kvoffload_lmdb")}
+           for name in OURS}
     overhead = {name: round((r["step_ms"] / base - 1) * 100, 2) for name, r in results.items() if name != "none"}
     beyond_hooks = {name: round((results[name]["step_ms"] / hooks - 1) * 100, 2)
-                    for name in ("kvoffload_memory", "kvoffload_lmdb")}
+                    for name in OURS}
     say("[bench overhead] time in the connector's hooks per step, share of the step: "
         + ", ".join(f"{k} {v}%" for k, v in own.items()) + "; step time " + ", ".join(
             f"{k} {v['step_ms']} ms" for k, v in results.items()))

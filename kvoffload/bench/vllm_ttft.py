@@ -30,6 +30,8 @@ def connector_configs(tmp: str) -> dict[str, dict | None]:
         "none": None,
         "kvoffload_memory": {**ours, "kv_connector_extra_config": {"store": "memory://?capacity=2GiB"}},
         "kvoffload_lmdb": {**ours, "kv_connector_extra_config": {"store": f"lmdb://{tmp}/lmdb?capacity=2GiB"}},
+        "kvoffload_tiered": {**ours, "kv_connector_extra_config": {
+            "store": f"tiered://?memory=1GiB&lmdb={tmp}/tiered&lmdb_capacity=2GiB"}},
         "example_connector": {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                               "kv_connector_extra_config": {"shared_storage_path": f"{tmp}/example"}},
         "noop_connector": {"kv_connector": "NoOpConnector", "kv_connector_module_path": "kvoffload.bench.noop_connector",

@@ -81,7 +81,6 @@ def _raw(nbytes: int, device, repeats: int) -> dict:
     rows = {"raw_memcpy_save_GBps": _median_gbps(save, nbytes, repeats, device),
             "raw_memcpy_load_GBps": _median_gbps(load, nbytes, repeats, device),
             "raw_memcpy_both_GBps": _median_gbps(lambda: (save(), load()), 2 * nbytes, repeats, device)}
-    del src, back, host_out, host_in
     return rows
 
 

@@ -377,3 +377,20 @@ def test_sigkill_during_write_behind_loses_only_unreported_entries(tmp_path):
     assert set(reported) <= set(present), sorted(set(reported) - set(present))[:5]
     bad = [k for k, v in present.items() if v != value_of(k)]
     assert not bad, bad[:5]
+
+
+def test_a_cold_prefix_is_read_by_several_readers_into_memory_slots(tmp_path):
+    """`acquire` of values only on disk splits the reads over reader threads: every value lands in its
+    own memory slot byte-exact, whichever thread read it."""
+    url = f"tiered://?memory=8MiB&lmdb={tmp_path}/db&lmdb_capacity=64MiB"
+    keys = [b"c%d" % i for i in range(41)]
+    with open_store(url) as store:
+        assert all(store.put_many([(k, value_of(k, 30_000 + i)) for i, k in enumerate(keys)]))
+    with open_store(url) as store:
+        leases = store.acquire(keys)
+        try:
+            assert [bytes(lease.view) for lease in leases] == [value_of(k, 30_000 + i) for i, k in enumerate(keys)]
+            assert len({lease.slot for lease in leases}) == len(keys) and store.stats()["disk_hits"] == len(keys)
+        finally:
+            store.release(leases)
+        assert store._readers is not None  # the reads went through the reader pool

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
@@ -50,7 +50,7 @@ class _Chunk:
         self.id, self.array, self.size = id, array, array.nbytes
         self.slot_bytes = 0  # 0 while in the pool (no slot in use)
         self.carved = 0  # slots handed out so far; the rest of the chunk is uncarved
-        self.free: list[int] = []  # indices of freed slots
+        self.free: deque[int] = deque()  # indices of freed slots, reused oldest first (see _take)
         self.used = 0
 
 
@@ -133,7 +133,9 @@ class MemoryStore(Store):
             chunk.slot_bytes = cls
             self._open.setdefault(cls, {})[chunk.id] = chunk
         if chunk.free:
-            index = chunk.free.pop()
+            # Oldest freed first: LRU eviction frees slots in the order they were filled, so a batch
+            # reuses them in address order and a device copies runs of adjacent slots in one DMA.
+            index = chunk.free.popleft()
         else:
             index, chunk.carved = chunk.carved, chunk.carved + 1
         chunk.used += 1
@@ -174,7 +176,7 @@ class MemoryStore(Store):
         chunk.used -= 1
         if chunk.used == 0:  # all slots free: back to the pool, for any class
             self._open[chunk.slot_bytes].pop(chunk.id, None)
-            chunk.slot_bytes, chunk.carved, chunk.free = 0, 0, []
+            chunk.slot_bytes, chunk.carved, chunk.free = 0, 0, deque()
             self._pool[chunk.id] = chunk
         else:
             chunk.free.append(slot & ((1 << _SHIFT) - 1))

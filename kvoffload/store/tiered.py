@@ -57,6 +57,7 @@ DEFAULT_BEHIND_AGE = 30.0  # seconds an entry may wait for the disk
 MAX_DEFAULT_BEHIND_BYTES = 2 << 30
 CLOSE_FLUSH_SECONDS = 60.0  # close() waits this long for the queue to drain
 WRITE_MODES = ("behind", "through")
+READERS = 4  # threads reading the back for one acquire (a cold prefix): faults on several pages at once
 
 
 def default_behind_bytes(front_capacity: int) -> int:
@@ -104,6 +105,7 @@ class TieredStore(Store):
         self._inflight: dict[bytes, _Pending] = {}  # the batch being committed
         self._held = 0  # bytes queued or in flight (the byte bound)
         self._thread: threading.Thread | None = None
+        self._readers = None  # a thread pool for `_read_back`, made on first use
         self._stopping = self._closed = False
         self._warned: set[str] = set()
         if write == "behind":
@@ -371,7 +373,7 @@ class TieredStore(Store):
             else:  # too large for the front, or no room: a private copy
                 leases[i] = Lease(keys[i], np.frombuffer(view, np.uint8).copy())
 
-        disk_hits = sum(self.back.read_many([keys[i] for i in missing], from_back)) if missing else 0
+        disk_hits = self._read_back(keys, missing, from_back)
         for i, lease in zip(promoted, self.front.acquire([keys[i] for i in promoted], touch=False)):
             leases[i] = lease
         lost = [i for i in promoted if leases[i] is None]  # evicted again before it could be held
@@ -382,6 +384,24 @@ class TieredStore(Store):
             self._count(hits=len(hits), misses=len(keys) - len(hits), get_bytes=sum(hits),
                         memory_hits=len(hits) - disk_hits, disk_hits=disk_hits, promotions=len(promoted))
         return leases
+
+    def _read_back(self, keys: Sequence[bytes], missing: list[int], consume: Callable[[int, memoryview], None]) -> int:
+        """`back.read_many` of the `missing` keys (consume gets the index into `missing`), split over
+        READERS threads when there are several values: with a cold page cache each thread's page faults
+        keep the disk busy while the others copy, where one reader waits for each fault in turn."""
+        if not missing:
+            return 0
+        parts = [part.tolist() for part in np.array_split(np.arange(len(missing)), min(READERS, len(missing)))]
+        if len(parts) == 1:
+            return sum(self.back.read_many([keys[i] for i in missing], consume))
+        with self._lock:
+            if self._readers is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="kvoffload-read")
+        futures = [self._readers.submit(self.back.read_many, [keys[missing[j]] for j in part],
+                                        lambda k, view, part=part: consume(part[k], view)) for part in parts]
+        return sum(sum(future.result()) for future in futures)
 
     def release(self, leases: Iterable[Lease | None]) -> None:
         self.front.release(leases)
@@ -444,5 +464,7 @@ class TieredStore(Store):
                 log.error("tiered store %s: the write-behind thread is stuck in %s; tiers left open",
                           self.url, self.back.url)
                 return
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
         self.front.close()
         self.back.close()

@@ -31,7 +31,8 @@ class _Slot:
         gpu = device.type == "cuda"
         self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=gpu)
         self.device = torch.empty(nbytes, dtype=torch.uint8, device=device) if gpu else self.host
-        self.event = torch.cuda.Event() if gpu else None
+        self.event = torch.cuda.Event() if gpu else None  # the slot's last use is done
+        self.staged = torch.cuda.Event() if gpu else None  # its device buffer is filled (in-place paths)
         self.table = TileTable(device) if gpu else None
         self.host_bytes = self.host.numpy()
 
@@ -50,7 +51,10 @@ class DeviceTransfer:
         self.gpu = self.device.type == "cuda"
         self.copier = SpanCopier(self.buffer, use_triton)
         self.staging_bytes = staging_bytes
-        self.streams = {d: torch.cuda.Stream(self.device) for d in ("save", "load")} if self.gpu else {}
+        # In-place paths run kernels (gather, scatter) on their own streams, so one batch's kernel
+        # overlaps the neighbouring batch's DMA.
+        self.streams = ({d: torch.cuda.Stream(self.device) for d in ("save", "load", "save_kernel", "load_kernel")}
+                        if self.gpu else {})
         self._slots: dict[tuple[str, int], _Slot] = {}
         self._templates: dict[int, tuple] = {}
 
@@ -245,18 +249,22 @@ class DeviceTransfer:
         if not pages:
             return []
         sizes, page_at, spans, lengths, at, cuts, span_cuts = self._plan(pages)
-        self._wait("save", after)
+        self._wait("save_kernel", after)
+        kernels, copies = self.streams["save_kernel"], self.streams["save"]
         for k in range(len(cuts) - 1):
             first, end = cuts[k], cuts[k + 1]
             base = int(page_at[first])
             slot = self._slot("save", k % 2, int(page_at[end - 1] + sizes[end - 1]) - base)
             a, b = span_cuts[k], span_cuts[k + 1]
-            with self._on("save", wait=False):
+            with torch.cuda.stream(kernels):
                 self.copier.gather(spans[a:b], lengths[a:b], slot.device, at[a:b] - base, slot.table)
+                slot.staged.record()
+            with torch.cuda.stream(copies):
+                copies.wait_event(slot.staged)
                 for address, offset, n in _runs(destinations[first:end], (page_at[first:end] - base).tolist()):
                     _host_tensor(address, n).copy_(slot.device[offset:offset + n], non_blocking=True)
                 slot.event.record()
-        self.streams["save"].synchronize()  # published only once the bytes are in the slots
+        copies.synchronize()  # published only once the bytes are in the slots
         return [out is not None for out in destinations]
 
     def load(self, store: Store, pages: Sequence[Item], after=None) -> list[bool]:
@@ -297,6 +305,8 @@ class DeviceTransfer:
                        for lease, (_, group, _) in zip(leases, pages)]
             sizes = self._sizes(pages)
             self._wait("load", after)
+            self._wait("load_kernel", after)
+            kernels, copies = self.streams["load_kernel"], self.streams["load"]
             at_page = 0
             for k, batch in enumerate(self.batches(pages)):
                 views = [lease.view if good else None
@@ -305,13 +315,16 @@ class DeviceTransfer:
                 offsets = np.cumsum(batch_sizes) - batch_sizes
                 slot = self._slot("load", k % 2, int(batch_sizes.sum()))
                 spans, lengths, at = self._spans(batch, offsets, arrived[at_page:at_page + len(batch)])
-                with self._on("load", wait=False):
+                with torch.cuda.stream(copies):
                     for address, offset, n in _runs(views, offsets.tolist()):
                         slot.device[offset:offset + n].copy_(_host_tensor(address, n), non_blocking=True)
+                    slot.staged.record()
+                with torch.cuda.stream(kernels):
+                    kernels.wait_event(slot.staged)
                     self.copier.scatter(spans, lengths, slot.device, at, slot.table)
                     slot.event.record()
                 at_page += len(batch)
-            self.streams["load"].synchronize()  # the slots are read: they may be given back
+            kernels.synchronize()  # the slots are read (and scattered): they may be given back
         finally:
             store.release(leases)
         return arrived

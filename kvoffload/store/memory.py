@@ -192,7 +192,7 @@ class MemoryStore(Store):
             self._free(slot)
         return nbytes
 
-    def _reserve(self, key: bytes, cls: int, batch: dict[int, int]) -> int | None:
+    def _reserve(self, key: bytes, cls: int, batch: dict[int, int], evicted: list[int]) -> int | None:
         """A slot for a new value of `key`, making room: the key's old value first, then the least
         recently used unheld entry, then this batch's own earliest reservation. None: all held."""
         while (slot := self._take(cls)) is None:
@@ -200,7 +200,8 @@ class MemoryStore(Store):
             if old is not None and old[0] not in self._holds:
                 self._unindex(key)  # replaced anyway: not an eviction
             elif (victim := self._lru_unheld()) is not None:
-                self._count(evictions=1, evicted_bytes=self._unindex(victim))
+                evicted[0] += 1  # counted once per batch: a save of many pages evicts many
+                evicted[1] += self._unindex(victim)
             elif batch:
                 self._free(batch.pop(next(iter(batch))))
             else:
@@ -208,6 +209,8 @@ class MemoryStore(Store):
         return slot
 
     def _lru_unheld(self) -> bytes | None:
+        if not self._holds:
+            return next(iter(self._index), None)
         return next((key for key, (slot, _) in self._index.items() if slot not in self._holds), None)
 
     def _release_holds(self, slots: Iterable[int]) -> None:
@@ -242,16 +245,19 @@ class MemoryStore(Store):
         batch: dict[int, int] = {}  # item -> reserved slot, in batch order
         latest: dict[bytes, int] = {}  # key -> the item of this batch that will hold it
         dests: list[np.ndarray | None] = [None] * len(items)
+        evicted = [0, 0]  # entries, bytes
         with self._lock:
             for i, (key, nbytes) in enumerate(items):
                 if key in latest and latest[key] in batch:  # a later value of the key replaces it
                     self._free(batch.pop(latest[key]))
-                slot = self._reserve(key, self._class(nbytes), batch)
+                slot = self._reserve(key, self._class(nbytes), batch, evicted)
                 if slot is not None:
                     batch[i], latest[key] = slot, i
             for i, slot in batch.items():
                 dests[i] = self._view(slot, items[i][1])
             self._pending += len(batch)
+        if evicted[0]:
+            self._count(evictions=evicted[0], evicted_bytes=evicted[1])
         filled = None
         try:
             filled = list(fill(dests))  # outside the lock: the slots are invisible to everyone else

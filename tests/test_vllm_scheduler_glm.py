@@ -364,7 +364,7 @@ def test_fresh_engine_hits_and_loads_into_each_groups_own_blocks(glm_runs, reten
     assert load.block_ids[MLA_GROUP][:end] == tables[MLA_GROUP][:end]
     assert 0 not in load.block_ids[MLA_GROUP][:end]
     # The pages the worker restores for this job (Offloader.load -> pages_for_load) and where they go.
-    pages = pages_for_load(warm.connector._plan_layout, load.block_keys, load.start, load.end)
+    pages = pages_for_load(warm.connector.connector_scheduler.layout, load.block_keys, load.start, load.end)
     assert all(p.group.index != TAIL_GROUP for p in pages)
     assert sorted((p.group.index, p.index) for p in pages) == sorted(
         [(MLA_GROUP, i) for i in range(end)] + [(g, end - 1) for g in KDA_GROUPS])
@@ -557,4 +557,4 @@ def test_save_sources_stay_pinned_until_the_workers_report_them(tmp_path):
     assert "r" not in engine.scheduler.requests
     assert not engine.connector.has_pending_block_frees()
     assert all(pool.blocks[b].ref_cnt == 0 for b in sources)
-    assert not engine.connector._in_flight
+    assert not engine.connector.connector_scheduler._in_flight

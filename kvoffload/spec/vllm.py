@@ -6,9 +6,16 @@ they changed between vLLM versions, so nothing here hard-codes them). Spec class
   MambaSpec (KDA, GDN, Mamba in align/all mode)                                  -> STATE
   FullAttentionSpec, MLAAttentionSpec (latent, or DSA indexer with tokens_per_state) -> PAGED
 Anything else is refused by name: guessing a layout is how pages end up in the wrong place.
+
+One derivation, two views: `scheduler_view` (kinds, block size, hit alignment: what the scheduler
+plans with; it has no byte placement) and `from_vllm` (the worker's full byte layout) take the group
+kinds and the hit alignment from the same helpers, and `check_agreement` (run by each worker at
+start-up) refuses a worker layout that disagrees with the scheduler's view.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from .layout import CacheGroup, CacheLayout, GroupKind, Region, lcm
 
@@ -74,6 +81,85 @@ def group_kinds(kv_cache_config) -> list[GroupKind]:
     return kinds
 
 
+def _scheduler_specs(group) -> list:
+    """The specs the scheduler process sees for a group: its copy of the config replaces a
+    uniform-type wrapper by one (the first) layer's spec (`generate_scheduler_kv_cache_config`)."""
+    per_layer = _layer_specs(group.kv_cache_spec)
+    return [next(iter(per_layer.values()))] if per_layer else [group.kv_cache_spec]
+
+
+def _pool_sizes(specs) -> set[int]:
+    """Pooling factors (`tokens_per_state` > 1: e.g. the DSA indexer's kpool) among `specs`."""
+    pools = set()
+    for spec in specs:
+        tps = getattr(spec, "tokens_per_state", 1)
+        if isinstance(tps, int) and tps > 1:
+            pools.add(tps)
+    return pools
+
+
+def _index_kpool(kinds: list[GroupKind], specs_per_group: list[list]) -> int:
+    """The pooling factor of the PAGED groups (1 without pooling): a hit must not leave an open pool."""
+    pools = set().union(*(_pool_sizes(specs) for kind, specs in zip(kinds, specs_per_group)
+                          if kind is GroupKind.PAGED))
+    if len(pools) > 1:
+        raise UnsupportedLayoutError(f"several pooling factors (tokens_per_state) in one model: {sorted(pools)}")
+    return pools.pop() if pools else 1
+
+
+def _hit_alignment(kv_cache_config, block_size: int, index_kpool: int) -> int:
+    """A hit ends on vLLM's cache-hit alignment, on a whole block and on a whole pool."""
+    return lcm(kv_cache_config.cache_hit_alignment_tokens or block_size, block_size, index_kpool)
+
+
+@dataclass(frozen=True)
+class KindsGroup:
+    """A cache group without byte placement: what the scheduler side plans with."""
+
+    index: int
+    kind: GroupKind
+    name: str
+
+
+@dataclass(frozen=True)
+class KindsLayout:
+    """What `plan` needs on the scheduler side (group kinds, block size, alignment) without byte
+    placement, which only workers know."""
+
+    block_size: int
+    hit_alignment: int
+    kinds: tuple[GroupKind, ...]  # every group, SKIP included (keys and save jobs index groups by position)
+    cacheable_groups: tuple[KindsGroup, ...]
+
+    @classmethod
+    def of(cls, layout: CacheLayout) -> KindsLayout:
+        """The same view of a worker's full layout."""
+        return cls(layout.block_size, layout.hit_alignment, tuple(g.kind for g in layout.groups),
+                   tuple(KindsGroup(g.index, g.kind, g.name) for g in layout.cacheable_groups))
+
+
+def scheduler_view(kv_cache_config, block_size: int) -> KindsLayout:
+    """The scheduler's view: group kinds, `block_size` (the key chain's block), the hit alignment.
+    The same from the scheduler's copy of the config as from a worker's (see `_scheduler_specs`)."""
+    kinds = group_kinds(kv_cache_config)  # raises UnsupportedLayoutError for unknown specs
+    kpool = _index_kpool(kinds, [_scheduler_specs(g) for g in kv_cache_config.kv_cache_groups])
+    return KindsLayout(block_size, _hit_alignment(kv_cache_config, block_size, kpool), tuple(kinds),
+                       tuple(KindsGroup(i, k, group_name(i, k)) for i, k in enumerate(kinds) if k is not GroupKind.SKIP))
+
+
+def check_agreement(view: KindsLayout, layout: CacheLayout) -> None:
+    """Refuse a worker layout that disagrees with the scheduler's view (block size, hit alignment,
+    group kinds, cacheable groups): the scheduler would promise hits and name pages the worker stores
+    differently."""
+    worker = KindsLayout.of(layout)
+    diffs = [f"{name}: scheduler {getattr(view, name)!r}, worker {getattr(worker, name)!r}"
+             for name in ("block_size", "hit_alignment", "kinds", "cacheable_groups")
+             if getattr(view, name) != getattr(worker, name)]
+    if diffs:
+        raise UnsupportedLayoutError("the scheduler's and the worker's views of the KV cache disagree; "
+                                     + "; ".join(diffs))
+
+
 def _regions(layer_names, specs_by_layer, tensor_of) -> tuple[Region, ...]:
     """The group's layers, tensor by tensor; each run of consecutive same-spec layers is one region."""
     members: dict[int, tuple[object, list[tuple[int, str]]]] = {}
@@ -114,17 +200,13 @@ def from_vllm(kv_cache_config, *, model_id: str = "", tp_rank: int = 0, tp_size:
     tensor_of = {name: (t, i) for t in tensors for i, name in enumerate(t.layers)}
 
     groups: list[CacheGroup] = []
-    kpools: set[int] = set()
-    for index, (group, kind) in enumerate(zip(kv_cache_config.kv_cache_groups, group_kinds(kv_cache_config))):
+    kinds = group_kinds(kv_cache_config)
+    specs_per_group = []
+    for index, (group, kind) in enumerate(zip(kv_cache_config.kv_cache_groups, kinds)):
         group_spec = group.kv_cache_spec
         per_layer = _layer_specs(group_spec) or {name: group_spec for name in group.layer_names}
-        tokens_per_state = 1
-        for spec in per_layer.values():
-            tps = getattr(spec, "tokens_per_state", 1)
-            if isinstance(tps, int) and tps > 1:
-                tokens_per_state = max(tokens_per_state, tps)
-                if kind is GroupKind.PAGED:
-                    kpools.add(tps)
+        specs_per_group.append(list(per_layer.values()))
+        tokens_per_state = max(_pool_sizes(per_layer.values()) or {1})
         spec_types = sorted({type(s).__name__ for s in per_layer.values()})
         groups.append(CacheGroup(
             index=index, name=group_name(index, kind),
@@ -135,12 +217,10 @@ def from_vllm(kv_cache_config, *, model_id: str = "", tp_rank: int = 0, tp_size:
     cacheable = [g for g in groups if g.cacheable]
     if not cacheable:
         raise UnsupportedLayoutError("no prefix-cacheable KV cache group: nothing to offload")
-    if len(kpools) > 1:
-        raise UnsupportedLayoutError(f"several pooling factors (tokens_per_state) in one model: {sorted(kpools)}")
+    index_kpool = _index_kpool(kinds, specs_per_group)
     block_size = lcm(*(g.block_size for g in cacheable))
-    index_kpool = kpools.pop() if kpools else 1
     hash_block_size = kv_cache_config.hash_block_size or block_size
-    alignment = lcm(kv_cache_config.cache_hit_alignment_tokens or block_size, block_size, index_kpool)
+    alignment = _hit_alignment(kv_cache_config, block_size, index_kpool)
     return CacheLayout(
         model_id=model_id, groups=tuple(groups), block_size=block_size, hash_block_size=hash_block_size,
         hit_alignment=alignment, num_blocks=int(kv_cache_config.num_blocks),

@@ -1,0 +1,264 @@
+"""`KVOffloadConnector`'s scheduler side (see `kvoffload.connectors.vllm` for the design): lookups on the
+kinds-only view (`kvoffload.spec.vllm.scheduler_view`), load and save jobs, block pinning, the mirror of
+a worker's memory store."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..spec import GroupKind, KeyChain, page_key
+from ..spec.vllm import KindsLayout, group_name
+from ..store import parse_url, shared_store
+from .plan import hit_blocks
+from .vllm_shared import KVOffloadMetadata, LoadJob, SaveJob, StoredPages, rank_keys
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvoffload.connectors.vllm")
+
+
+class _MirrorIndex:
+    """The scheduler's view of a worker's memory tier: the same byte capacity and LRU order, fed by
+    `StoredPages`. A page it still believes present but the worker evicted fails its load and is
+    recomputed, never served wrong."""
+
+    def __init__(self, capacity: int):
+        from collections import OrderedDict
+
+        self.capacity, self.used, self.sizes = capacity, 0, OrderedDict()
+
+    def update(self, report: StoredPages) -> None:
+        for key in report.missing:
+            self.used -= self.sizes.pop(key, 0)
+        for key, size in report.added.items():
+            self.used -= self.sizes.pop(key, 0)
+            self.sizes[key] = size
+            self.used += size
+            while self.used > self.capacity and self.sizes:
+                self.used -= self.sizes.popitem(last=False)[1]
+
+    def contains_many(self, keys: list[bytes]) -> list[bool]:
+        found = [k in self.sizes for k in keys]
+        for key, there in zip(keys, found):
+            if there:
+                self.sizes.move_to_end(key)
+        return found
+
+
+def _mirror_for(url: str) -> _MirrorIndex | None:
+    """LMDB (alone or behind memory) is read directly by the scheduler process; a memory tier lives in
+    the worker process, so the scheduler mirrors it from the workers' reports."""
+    from ..store import DEFAULT_MEMORY_CAPACITY, parse_size
+
+    parsed = parse_url(url)
+    if parsed.scheme != "memory":
+        return None
+    return _MirrorIndex(parse_size(parsed.options.get("capacity", DEFAULT_MEMORY_CAPACITY)))
+
+
+@dataclass
+class _RequestState:
+    block_keys: list[bytes]
+    num_prompt_tokens: int
+    saved_blocks: int = 0  # PAGED pages of blocks [0, saved_blocks) handed to a save job
+    load_range: tuple[int, int] | None = None  # (start, end) blocks the connector promised
+    load_tables: dict[int, list[int]] | None = None  # their block tables, once allocated
+    loaded: tuple[int, int] = (0, 0)  # (start, end) blocks a load job restored (or tried to)
+    load_failed: bool = False  # a load for it failed: no more loads, it recomputes
+    sent_saves: bool = False  # a save job for it went to the workers
+
+
+@dataclass
+class _PinnedJob:
+    blocks: list  # vLLM KVCacheBlocks referenced until every worker reports the job
+    keys: list[bytes]  # rank-0 page keys in flight (present for lookups meanwhile)
+    reports: int = 0
+
+
+class _Scheduler:
+    """The scheduler process's half: plans on `layout` (kinds only), keys requests with `chain`."""
+
+    def __init__(self, layout: KindsLayout, chain: KeyChain, store_url: str, tp_size: int, workers: int):
+        self.layout, self.chain, self.tp_size = layout, chain, tp_size
+        self.kinds = list(layout.kinds)
+        self.block_size = layout.block_size
+        self.counters: Counter[str] = Counter()
+        self._requests: dict[str, _RequestState] = {}
+        self._mirror = _mirror_for(store_url)
+        self._store_presence = self._mirror.contains_many if self._mirror else shared_store(store_url).contains_many
+        self._block_pool = None  # vLLM binds it after construction
+        self._next_job = 0
+        self._pinned: dict[int, _PinnedJob] = {}
+        self._in_flight: Counter[bytes] = Counter()
+        self._await_saves: list[str] = []
+        self._workers = workers
+
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+        self._block_pool = gpu_block_pool
+
+    def _presence(self, keys: list[bytes]) -> list[bool]:
+        """Stored, or written by a save job in flight (the load of them runs after it, in order)."""
+        stored = self._store_presence(keys)
+        return [there or key in self._in_flight for key, there in zip(keys, stored)]
+
+    def has_pending_block_frees(self) -> bool:
+        return bool(self._pinned)  # a save job's report will give blocks back: no need to preempt
+
+    def _salted_chain(self, request: Request) -> KeyChain:
+        salt = [getattr(request, "cache_salt", None) or ""]
+        lora = getattr(request, "lora_request", None)
+        if lora is not None:
+            salt.append(f"lora:{lora.lora_name}")
+        salt += [f"mm:{f.identifier}" for f in (getattr(request, "mm_features", None) or [])]
+        return self.chain.with_salt("|".join(salt)) if any(salt) else self.chain
+
+    def _state(self, request: Request) -> _RequestState:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            prompt = list(request.prompt_token_ids or [])
+            state = _RequestState(self._salted_chain(request).keys(prompt), len(prompt))
+            self._requests[request.request_id] = state
+        return state
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        state = self._state(request)
+        have = num_computed_tokens // self.block_size
+        if num_computed_tokens % self.block_size or state.load_failed:
+            return 0, False
+        try:  # rank 0's pages stand for all ranks' (a rank that misses fails its load: recomputed)
+            total = hit_blocks(self.layout, rank_keys(state.block_keys, 0, self.tp_size),
+                               state.num_prompt_tokens, self._presence, have)
+        except Exception as exc:  # noqa: BLE001 - a broken store is a miss, never a failed engine
+            log.error("KVOffloadConnector lookup failed: %s", exc)
+            total = have
+        self.counters["lookups"] += 1
+        if total <= have:
+            return 0, False
+        state.load_range = (have, total)
+        self.counters["hit_tokens"] += (total - have) * self.block_size
+        return (total - have) * self.block_size, True  # asynchronous: see kvoffload.connectors.vllm
+
+    def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int) -> None:
+        state = self._requests.get(request.request_id)
+        if state is None or state.load_range is None:
+            return
+        if num_external_tokens <= 0:
+            state.load_range = None
+            return
+        state.load_tables = {g: list(ids) for g, ids in enumerate(blocks.get_block_ids())}
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVOffloadMetadata:
+        meta = KVOffloadMetadata()
+        for req_id, state in self._requests.items():
+            if state.load_range is not None and state.load_tables is not None:
+                start, end = state.load_range
+                meta.loads.append(LoadJob(req_id, state.block_keys[:end], start, end, state.load_tables))
+                state.load_range = state.load_tables = None
+                state.saved_blocks = max(state.saved_blocks, end)  # those pages are in the store
+                state.loaded = (start, end)
+        block_state = scheduler_output.kv_connector_block_state
+        handoffs = block_state.boundary_state_offloads if block_state is not None else {}
+        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            job = self._save_job(req_id, state, scheduled, scheduler_output, block_state,
+                                 handoffs.get(req_id, []))
+            if job.pages:
+                self._pin(job)
+                state.sent_saves = True
+                meta.saves.append(job)
+        meta.await_saves, self._await_saves = self._await_saves, []
+        return meta
+
+    def _pin(self, job: SaveJob) -> None:
+        """Reference the job's blocks in vLLM's pool until the workers report it (see kvoffload.connectors.vllm)."""
+        self._next_job += 1
+        job.job_id = self._next_job
+        blocks = []
+        if self._block_pool is not None:
+            blocks = [self._block_pool.blocks[block_id] for _, _, _, block_id in job.pages]
+            self._block_pool.touch(blocks)
+        keys = [page_key(rank_keys([key], 0, self.tp_size)[0], group_name(g, self.kinds[g]))
+                for key, g, _, _ in job.pages]
+        self._in_flight.update(keys)
+        self._pinned[job.job_id] = _PinnedJob(blocks, keys)
+
+    def _unpin(self, job_id: int, reports: int) -> None:
+        pinned = self._pinned.get(job_id)
+        if pinned is None:
+            return
+        pinned.reports += reports
+        if pinned.reports < self._workers:
+            return
+        del self._pinned[job_id]
+        if pinned.blocks:
+            self._block_pool.free_blocks(pinned.blocks)
+        self._in_flight.subtract(pinned.keys)
+        for key in pinned.keys:
+            if self._in_flight[key] <= 0:
+                del self._in_flight[key]
+
+    def _save_job(self, req_id, state, scheduled, scheduler_output, block_state, handoffs) -> SaveJob:
+        computed = self._num_computed(req_id, scheduler_output)
+        full = min((computed + scheduled) // self.block_size, len(state.block_keys))
+        pages: list[tuple[bytes, int, int, int]] = []
+        tables = block_state.get_block_ids(req_id) if block_state is not None else None
+        if tables is not None and full > state.saved_blocks:
+            for g, kind in enumerate(self.kinds):
+                if kind is GroupKind.PAGED:
+                    pages += [(state.block_keys[i], g, i, tables[g][i]) for i in range(state.saved_blocks, full)]
+            state.saved_blocks = full
+        for group_id, block_id, boundary in handoffs:  # STATE: exactly the blocks vLLM hands off
+            index = boundary // self.block_size - 1
+            if (self.kinds[group_id] is GroupKind.STATE and boundary % self.block_size == 0
+                    and 0 <= index < len(state.block_keys)
+                    # vLLM offers a loaded boundary again, the very block the load writes into: saving
+                    # it after a failed load would store stale bytes as this prefix's checkpoint.
+                    and not state.loaded[0] <= index < state.loaded[1]):
+                pages.append((state.block_keys[index], group_id, index, block_id))
+        return SaveJob(req_id, pages)
+
+    @staticmethod
+    def _num_computed(req_id: str, scheduler_output) -> int:
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id == req_id:
+                return new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            if rid == req_id:
+                return cached.num_computed_tokens[i]
+        return 0
+
+    def update_connector_output(self, connector_output) -> None:
+        report = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(report, StoredPages):
+            if self._mirror is not None:
+                self._mirror.update(report)
+            for job_id, count in report.done_jobs.items():
+                self._unpin(job_id, count)
+        for req_id in getattr(connector_output, "failed_recving", None) or ():
+            state = self._requests.get(req_id)
+            if state is not None:
+                # Offering the same load again could fail the same way forever (a read error, a page
+                # only one TP rank lost); vLLM recomputes from scratch, so save those pages again.
+                state.load_failed = True
+                state.saved_blocks = min(state.saved_blocks, state.loaded[0])
+                state.loaded = (0, 0)
+
+    def request_finished(self, request: Request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        """Keep the blocks of a request with saves until the workers report them (finished_sending).
+        A request still waiting for a load is held by vLLM itself until the load reports."""
+        state = self._requests.pop(request.request_id, None)
+        from vllm.v1.request import RequestStatus
+
+        waiting_for_load = getattr(request, "status", None) == RequestStatus.WAITING_FOR_REMOTE_KVS
+        if state is None or not state.sent_saves or waiting_for_load:
+            return False, None
+        self._await_saves.append(request.request_id)
+        return True, None

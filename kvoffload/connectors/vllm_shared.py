@@ -1,0 +1,56 @@
+"""What `KVOffloadConnector`'s scheduler side and worker side exchange (see `kvoffload.connectors.vllm`):
+the step's jobs (scheduler -> workers) and the workers' reports (workers -> scheduler)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+from ..spec import page_key
+
+
+@dataclass
+class LoadJob:
+    req_id: str
+    block_keys: list[bytes]
+    start: int
+    end: int
+    block_ids: dict[int, list[int]]  # group index -> the request's block table
+
+
+@dataclass
+class SaveJob:
+    req_id: str
+    pages: list[tuple[bytes, int, int, int]]  # (block key, group index, block index, physical block id)
+    job_id: int = 0  # the scheduler's: reported back when the job is done, to unpin its blocks
+
+
+@dataclass
+class KVOffloadMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+    await_saves: list[str] = field(default_factory=list)  # finished requests to report via finished_sending
+
+
+@dataclass
+class StoredPages(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, every step: pages written (key -> bytes), pages a load did not find, and
+    save jobs done (job id -> number of workers reporting it). The scheduler mirrors a memory:// store
+    with it, since that store lives in the worker process, and unpins a job's blocks once every worker
+    has reported it."""
+
+    added: dict[bytes, int] = field(default_factory=dict)
+    missing: set[bytes] = field(default_factory=set)
+    done_jobs: dict[int, int] = field(default_factory=dict)
+
+    def aggregate(self, other: StoredPages) -> StoredPages:
+        done = dict(self.done_jobs)
+        for job, count in other.done_jobs.items():
+            done[job] = done.get(job, 0) + count
+        return StoredPages({**self.added, **other.added}, self.missing | other.missing, done)
+
+
+def rank_keys(keys: list[bytes], rank: int, size: int) -> list[bytes]:
+    """Each TP rank stores its own shard under its own keys."""
+    return keys if size == 1 else [page_key(k, f"tp{rank}/{size}") for k in keys]

@@ -1,0 +1,125 @@
+"""`KVOffloadConnector`'s worker side (see `kvoffload.connectors.vllm` for the design): views vLLM's
+backing allocation through the full layout (`kvoffload.spec.vllm.from_vllm`), checked against the
+scheduler's kinds view at start-up, and runs loads and saves as background jobs."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from ..spec import page_key
+from ..spec.vllm import KindsLayout, check_agreement, from_vllm
+from ..store import shared_store
+from .jobs import Jobs
+from .offloader import Offloader
+from .plan import Page
+from .transfer import make_transfer
+from .vllm_metrics import COUNTERS, KVOffloadStats
+from .vllm_shared import KVOffloadMetadata, StoredPages, rank_keys
+
+log = logging.getLogger("kvoffload.connectors.vllm")
+
+
+class _Worker:
+    """A worker process's half: `view` is what the scheduler plans with (checked against this
+    worker's layout in `register_kv_caches`)."""
+
+    def __init__(self, kv_cache_config, view: KindsLayout, store_url: str, model_id: str, tp_rank: int,
+                 tp_size: int):
+        self.kv_cache_config, self.view, self.store_url = kv_cache_config, view, store_url
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.offloader: Offloader | None = None
+        self.jobs: Jobs | None = None
+        self.layout = None
+        self._saving: Counter[str] = Counter()  # request -> save jobs submitted and not done
+        self._awaited: set[str] = set()  # finished requests the scheduler waits on
+        self._model_id = model_id
+        self._report = StoredPages()
+        self._last_counters: dict[str, int] = {}
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        try:  # the worker's own tensor-parallel rank, once vLLM's process groups exist
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            self.tp_rank = get_tensor_model_parallel_rank()
+        except Exception:  # noqa: BLE001 - not initialised (single process): keep the config's rank
+            pass
+        layout = from_vllm(self.kv_cache_config, model_id=self._model_id, tp_rank=self.tp_rank,
+                           tp_size=self.tp_size)
+        check_agreement(self.view, layout)  # UnsupportedLayoutError at start-up, never wrong pages later
+        any_cache = next(iter(kv_caches.values()))
+        any_cache = any_cache[0] if isinstance(any_cache, (list, tuple)) else any_cache
+        raw = torch.empty(0, dtype=torch.uint8, device=any_cache.device).set_(any_cache.untyped_storage())
+        transfer = make_transfer(raw)
+        self.offloader = Offloader(shared_store(self.store_url, fingerprint=layout.fingerprint), layout, transfer)
+        self.jobs = Jobs(self.offloader, name=f"kvoffload-tp{self.tp_rank}")
+        self.layout = layout
+        log.info("KVOffloadConnector: %s, %d bytes stored per block", self.store_url,
+                 layout.stored_bytes_per_block())
+
+    def _rank_keys(self, keys: list[bytes]) -> list[bytes]:
+        return rank_keys(keys, self.tp_rank, self.tp_size)
+
+    def start_load_kv(self, meta) -> None:
+        """Submit this step's loads; they finish in the background (reported by get_transfer_results)."""
+        if not isinstance(meta, KVOffloadMetadata) or self.jobs is None:
+            return
+        for job in meta.loads:
+            self.jobs.submit_load(job.req_id, self._rank_keys(job.block_keys), job.start, job.end, job.block_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Loads and saves finished since the last step. A failed load is also 'finished' so the request
+        leaves its wait state, and vLLM recomputes it; a finished request is 'sent' once its saves ran."""
+        done, failed = set(), set()
+        for result in self.jobs.poll() if self.jobs is not None else ():
+            if result.kind == "load":
+                done.add(result.job_id)
+                if not result.ok:
+                    failed.add(result.job_id)
+                    self._report.missing.update(result.missing)
+                    log.warning("KVOffloadConnector: load for %s failed; vLLM recomputes its prefix", result.job_id)
+                continue
+            job_id, req_id = result.job_id
+            self._saving[req_id] -= 1
+            if self._saving[req_id] <= 0:
+                del self._saving[req_id]
+            self._report.done_jobs[job_id] = self._report.done_jobs.get(job_id, 0) + 1
+            for page in result.written:
+                self._report.added[page.key] = page.group.used_bytes_per_block
+        sent = {req_id for req_id in self._awaited if req_id not in self._saving}
+        self._awaited -= sent
+        return KVConnectorTransferResults(finished_sending=sent, finished_recving=done, failed_recving=failed)
+
+    def wait_for_save(self, meta) -> None:
+        """Submit this step's saves (after the forward that computed them); nothing waits here."""
+        if not isinstance(meta, KVOffloadMetadata) or self.jobs is None:
+            return
+        groups = self.offloader.layout.groups
+        for job in meta.saves:
+            keys = self._rank_keys([key for key, _, _, _ in job.pages])
+            pages = [(Page(page_key(k, groups[g].name), groups[g], index), block)
+                     for k, (_, g, index, block) in zip(keys, job.pages)]
+            self._saving[job.req_id] += 1
+            self.jobs.submit_save((job.job_id, job.req_id), pages)
+        self._awaited.update(meta.await_saves)
+
+    def build_connector_worker_meta(self) -> StoredPages | None:
+        report, self._report = self._report, StoredPages()
+        return report if report.added or report.missing or report.done_jobs else None
+
+    def get_kv_connector_stats(self) -> KVOffloadStats | None:
+        if self.offloader is None:
+            return None
+        now = dict(self.offloader.counters)
+        now["checksum_failures"] = int(self.offloader.store.stats().get("checksum_failures", 0))
+        last, self._last_counters = self._last_counters, now
+        delta = {k: now.get(k, 0) - last.get(k, 0) for k in COUNTERS}
+        return KVOffloadStats(data=delta) if any(delta.values()) else None
+
+    def shutdown(self) -> None:
+        """Finish the queued saves (bounded); the store is per process (shared_store) and closes with it."""
+        if self.jobs is not None:
+            self.jobs.close()

@@ -185,3 +185,34 @@ def test_mamba_without_checkpoints_is_refused():
     group.kv_cache_spec = replace(spec, mamba_cache_mode="none")
     with pytest.raises(UnsupportedLayoutError, match="mamba_cache_mode='none'"):
         from_vllm(config)
+
+
+@pytest.mark.parametrize("builder", ["glm53_flash_like_config", "qwen3_next_like_config", "llama_config"])
+def test_scheduler_view_agrees_with_worker_layout(builder):
+    """One derivation, two views: the scheduler's kinds-only view, from the scheduler's copy of the config
+    (uniform-type wrappers replaced by one layer's spec) or from a worker's, is the worker layout's."""
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+
+    from kvoffload.spec.vllm import KindsLayout, check_agreement, scheduler_view
+
+    config = getattr(vllm_layouts, builder)()
+    layout = from_vllm(config)
+    view = scheduler_view(generate_scheduler_kv_cache_config([config]), config.hash_block_size)
+    assert view == scheduler_view(config, config.hash_block_size) == KindsLayout.of(layout)
+    assert [(g.index, g.kind, g.name) for g in view.cacheable_groups] == \
+        [(g.index, g.kind, g.name) for g in layout.cacheable_groups]
+    check_agreement(view, layout)
+
+
+def test_disagreeing_views_are_refused(glm_config, glm):
+    from dataclasses import replace
+
+    from kvoffload.spec.vllm import check_agreement, scheduler_view
+
+    view = scheduler_view(glm_config, glm.block_size)
+    with pytest.raises(UnsupportedLayoutError, match=r"disagree; hit_alignment: scheduler 768, worker 384"):
+        check_agreement(replace(view, hit_alignment=2 * view.hit_alignment), glm)
+    with pytest.raises(UnsupportedLayoutError, match="block_size: scheduler 192, worker 384"):
+        check_agreement(replace(view, block_size=192), glm)
+    with pytest.raises(UnsupportedLayoutError, match="cacheable_groups"):
+        check_agreement(replace(view, cacheable_groups=view.cacheable_groups[1:]), glm)

@@ -558,3 +558,63 @@ def test_save_sources_stay_pinned_until_the_workers_report_them(tmp_path):
     assert not engine.connector.has_pending_block_frees()
     assert all(pool.blocks[b].ref_cnt == 0 for b in sources)
     assert not engine.connector.connector_scheduler._in_flight
+
+
+def _glm_kv_caches(worker_cfg):
+    from vllm.v1.kv_cache_interface import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    return allocate_kv_cache(worker_cfg, torch.device("cpu"), KVCacheLayout[worker_cfg.kv_cache_layout])
+
+
+def test_worker_layout_agrees_with_the_scheduler_view_at_register(tmp_path):
+    """The facade delegates to one side per role; a worker's register_kv_caches builds the full layout and
+    checks it against the scheduler's view (block size, hit alignment, groups) before any byte moves."""
+    from kvoffload.spec.vllm import KindsLayout
+
+    worker = _connector(tmp_path, role_name="WORKER")
+    assert worker.connector_scheduler is None and worker.connector_worker is not None
+    scheduler = _connector(tmp_path)
+    assert scheduler.connector_worker is None and scheduler.connector_scheduler is not None
+    _, worker_cfg = _glm_vllm_config(0, f"lmdb://{tmp_path}/store?capacity=256MiB")
+    worker.register_kv_caches(_glm_kv_caches(worker_cfg))
+    try:
+        layout = worker.connector_worker.layout
+        assert KindsLayout.of(layout) == scheduler.connector_scheduler.layout == worker.view
+        assert (layout.block_size, layout.hit_alignment, layout.index_kpool) == (BLOCK, BLOCK, 4)
+        assert [g.name for g in scheduler.connector_scheduler.layout.cacheable_groups] == \
+            ["g0-state", "g1-state", "g2-state", "g3-paged"]
+    finally:
+        worker.shutdown()
+
+
+def test_disagreeing_worker_layout_fails_at_register(tmp_path, monkeypatch):
+    """Either side made to disagree (the worker's layout, or the scheduler's view) is a start-up error
+    naming what differs, raised before the store or the jobs thread exist."""
+    from dataclasses import replace
+
+    from kvoffload.connectors import vllm as facade
+    from kvoffload.connectors import vllm_worker
+    from kvoffload.spec import UnsupportedLayoutError
+
+    _, worker_cfg = _glm_vllm_config(0, f"lmdb://{tmp_path}/store?capacity=256MiB")
+    caches = _glm_kv_caches(worker_cfg)
+    real_from_vllm = vllm_worker.from_vllm
+    monkeypatch.setattr(vllm_worker, "from_vllm", lambda *a, **k: replace(real_from_vllm(*a, **k),
+                                                                          hit_alignment=2 * BLOCK))
+    worker = _connector(tmp_path, role_name="WORKER")
+    with pytest.raises(UnsupportedLayoutError, match=r"disagree; hit_alignment: scheduler 384, worker 768"):
+        worker.register_kv_caches(caches)
+    assert worker.connector_worker.jobs is None and worker.connector_worker.offloader is None
+    monkeypatch.undo()
+
+    real_view = facade.scheduler_view
+
+    def view_without_the_mla_group(kv_cache_config, block_size):
+        view = real_view(kv_cache_config, block_size)
+        return replace(view, cacheable_groups=view.cacheable_groups[:-1])
+
+    monkeypatch.setattr(facade, "scheduler_view", view_without_the_mla_group)
+    worker = _connector(tmp_path, role_name="WORKER")
+    with pytest.raises(UnsupportedLayoutError, match="cacheable_groups: scheduler"):
+        worker.register_kv_caches(caches)

@@ -239,33 +239,60 @@ class DeviceTransfer:
             for batch, views in self.pack(pages, after):
                 written += store.put_many([(key, view) for (key, _, _), view in zip(batch, views)])
             return written
-        return store.write_many([(key, group.used_bytes_per_block) for key, group, _ in pages],
-                                lambda destinations: self._fill_slots(pages, destinations, after))
+        return self._save_in_place(store, pages, after)
 
-    def _fill_slots(self, pages: Sequence[Item], destinations: list[np.ndarray | None], after) -> list[bool]:
-        """Gather each batch into device staging and copy it by DMA into its pages' arena slots (one copy
-        per run of adjacent slots), all queued on the save stream; the host waits only before reusing a
-        staging slot (two batches back) and once at the end, so the link never waits for the host."""
+    def _save_in_place(self, store: Store, pages: Sequence[Item], after) -> list[bool]:
+        """Per staging batch: reserve arena slots, gather on the device, copy by DMA straight into the
+        slots (one copy per run of adjacent slots). The next batch's slots are reserved, and the last
+        batch's published, while this batch's copies run: the host's bookkeeping hides behind the link.
+        Kernels and copies have their own streams, so a gather overlaps the previous batch's DMA."""
         if not pages:
             return []
         sizes, page_at, spans, lengths, at, cuts, span_cuts = self._plan(pages)
         self._wait("save_kernel", after)
         kernels, copies = self.streams["save_kernel"], self.streams["save"]
-        for k in range(len(cuts) - 1):
-            first, end = cuts[k], cuts[k + 1]
-            base = int(page_at[first])
-            slot = self._slot("save", k % 2, int(page_at[end - 1] + sizes[end - 1]) - base)
-            a, b = span_cuts[k], span_cuts[k + 1]
-            with torch.cuda.stream(kernels):
-                self.copier.gather(spans[a:b], lengths[a:b], slot.device, at[a:b] - base, slot.table)
-                slot.staged.record()
-            with torch.cuda.stream(copies):
-                copies.wait_event(slot.staged)
-                for address, offset, n in _runs(destinations[first:end], (page_at[first:end] - base).tolist()):
-                    _host_tensor(address, n).copy_(slot.device[offset:offset + n], non_blocking=True)
-                slot.event.record()
-        copies.synchronize()  # published only once the bytes are in the slots
-        return [out is not None for out in destinations]
+        batches = list(zip(cuts, cuts[1:]))
+
+        def reserve(k: int):
+            first, end = batches[k]
+            return store.reserve([(key, group.used_bytes_per_block) for key, group, _ in pages[first:end]])
+
+        written: list[bool] = []
+        pending = None  # the batch before: (its reservation, its slot's event)
+        reservation = reserve(0)
+        try:
+            for k, (first, end) in enumerate(batches):
+                base = int(page_at[first])
+                slot = self._slot("save", k % 2, int(page_at[end - 1] + sizes[end - 1]) - base)
+                a, b = span_cuts[k], span_cuts[k + 1]
+                with torch.cuda.stream(kernels):
+                    self.copier.gather(spans[a:b], lengths[a:b], slot.device, at[a:b] - base, slot.table)
+                    slot.staged.record()
+                with torch.cuda.stream(copies):
+                    copies.wait_event(slot.staged)
+                    for address, offset, n in _runs(reservation.destinations, (page_at[first:end] - base).tolist()):
+                        _host_tensor(address, n).copy_(slot.device[offset:offset + n], non_blocking=True)
+                    slot.event.record()
+                if pending is not None:
+                    written += self._publish(store, *pending)
+                pending, reservation = (reservation, slot.event), None
+                if k + 1 < len(batches):
+                    reservation = reserve(k + 1)
+        finally:
+            if reservation is not None:  # an error while copying into it: give its slots back, unwritten
+                copies.synchronize()
+                store.publish(reservation, [False] * len(reservation.items))
+            if pending is not None:
+                written += self._publish(store, *pending)
+        if len(batches) > 1 and any(written):  # a later batch may have evicted an earlier one's pages
+            kept = iter(store.contains_many([pages[i][0] for i, ok in enumerate(written) if ok]))
+            written = [ok and next(kept) for ok in written]
+        return written
+
+    @staticmethod
+    def _publish(store: Store, reservation, event) -> list[bool]:
+        event.synchronize()  # published only once the bytes are in the slots
+        return store.publish(reservation, [out is not None for out in reservation.destinations])
 
     def load(self, store: Store, pages: Sequence[Item], after=None) -> list[bool]:
         """Restore the pages batch by batch; a page missing, failing its checksum or of another size is a
@@ -297,25 +324,28 @@ class DeviceTransfer:
         return ok
 
     def _load_in_place(self, store: Store, pages: Sequence[Item], after) -> list[bool]:
-        """Hold every page in its arena slot, copy them by DMA (one copy per run of adjacent slots) into
-        device staging and scatter, batch by batch on the load stream; give the slots back at the end."""
-        leases = store.acquire([key for key, _, _ in pages])
+        """Per staging batch: hold its pages in their arena slots (leases), copy them by DMA (one copy per
+        run of adjacent slots) into device staging, scatter. The next batch is acquired, and the last
+        one's leases given back, while this batch's copies run. Copies and kernels have their own streams."""
+        if not pages:
+            return []
+        self._wait("load", after)
+        self._wait("load_kernel", after)
+        kernels, copies = self.streams["load_kernel"], self.streams["load"]
+        batches = self.batches(pages)
+        arrived: list[bool] = []
+        pending = None  # the batch before: (its leases, its staged event)
+        leases = store.acquire([key for key, _, _ in batches[0]])
         try:
-            arrived = [lease is not None and lease.view.nbytes == group.used_bytes_per_block
-                       for lease, (_, group, _) in zip(leases, pages)]
-            sizes = self._sizes(pages)
-            self._wait("load", after)
-            self._wait("load_kernel", after)
-            kernels, copies = self.streams["load_kernel"], self.streams["load"]
-            at_page = 0
-            for k, batch in enumerate(self.batches(pages)):
-                views = [lease.view if good else None
-                         for lease, good in zip(leases[at_page:at_page + len(batch)], arrived[at_page:at_page + len(batch)])]
-                batch_sizes = sizes[at_page:at_page + len(batch)]
-                offsets = np.cumsum(batch_sizes) - batch_sizes
-                slot = self._slot("load", k % 2, int(batch_sizes.sum()))
-                spans, lengths, at = self._spans(batch, offsets, arrived[at_page:at_page + len(batch)])
+            for k, batch in enumerate(batches):
+                ok = [lease is not None and lease.view.nbytes == group.used_bytes_per_block
+                      for lease, (_, group, _) in zip(leases, batch)]
+                sizes = self._sizes(batch)
+                offsets = np.cumsum(sizes) - sizes
+                slot = self._slot("load", k % 2, int(sizes.sum()))
+                spans, lengths, at = self._spans(batch, offsets, ok)
                 with torch.cuda.stream(copies):
+                    views = [lease.view if good else None for lease, good in zip(leases, ok)]
                     for address, offset, n in _runs(views, offsets.tolist()):
                         slot.device[offset:offset + n].copy_(_host_tensor(address, n), non_blocking=True)
                     slot.staged.record()
@@ -323,10 +353,19 @@ class DeviceTransfer:
                     kernels.wait_event(slot.staged)
                     self.copier.scatter(spans, lengths, slot.device, at, slot.table)
                     slot.event.record()
-                at_page += len(batch)
-            kernels.synchronize()  # the slots are read (and scattered): they may be given back
+                arrived += ok
+                if pending is not None:
+                    pending[1].synchronize()  # its slots are read: they may be given back
+                    store.release(pending[0])
+                pending, leases = (leases, slot.staged), None
+                if k + 1 < len(batches):
+                    leases = store.acquire([key for key, _, _ in batches[k + 1]])
+            kernels.synchronize()  # scattered: compute may read the blocks
         finally:
-            store.release(leases)
+            copies.synchronize()
+            for held in (leases, pending[0] if pending is not None else None):
+                if held is not None:
+                    store.release(held)
         return arrived
 
 

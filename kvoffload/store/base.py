@@ -23,6 +23,15 @@ Fill = Callable[[list["np.ndarray | None"]], list[bool]]
 
 
 @dataclass(frozen=True)
+class Reservation:
+    """Destinations `Store.reserve` handed out for `items` ((key, size) pairs), until `publish`."""
+
+    items: list[tuple[bytes, int]]
+    destinations: list[np.ndarray | None]
+    handle: object = None  # the tier's
+
+
+@dataclass(frozen=True)
 class Lease:
     """A value held in place for the caller (a DMA source, a write-behind source): the tier does not
     evict, reuse or overwrite its bytes until `Store.release` is called with it."""
@@ -76,12 +85,32 @@ class Store(ABC):
 
     def write_many(self, items: Sequence[tuple[bytes, int]], fill: Fill) -> list[bool]:
         """Store values of the given sizes that `fill` writes straight into their destinations; True
-        per value stored. Here: private buffers, then `put_many` (one copy); the arena gives its slots."""
-        buffers = [np.empty(n, dtype=np.uint8) for _, n in items]
-        filled = fill(list(buffers))
-        written = [False] * len(items)
-        chosen = [i for i, ok in enumerate(filled) if ok]
-        for i, ok in zip(chosen, self.put_many([(items[i][0], buffers[i]) for i in chosen])):
+        per value stored. `reserve`, then `fill`, then `publish` (a caller that streams batches, a
+        device transfer, calls the two itself to reserve the next batch while this one is copied)."""
+        reservation = self.reserve(items)
+        filled = None
+        try:
+            filled = list(fill(list(reservation.destinations)))
+            if len(filled) != len(reservation.items):
+                raise ValueError(f"fill returned {len(filled)} flags for {len(reservation.items)} values")
+        finally:
+            written = self.publish(reservation, filled if filled is not None and len(filled) == len(reservation.items)
+                                   else [False] * len(reservation.items))
+        return written
+
+    def reserve(self, items: Sequence[tuple[bytes, int]]) -> Reservation:
+        """Destinations for values of the given sizes (None: no room), invisible to every reader until
+        `publish`. Every reservation must be published, with False flags to give it up. Here: private
+        buffers (the arena hands out its slots)."""
+        items = list(items)
+        return Reservation(items, [np.empty(n, dtype=np.uint8) for _, n in items])
+
+    def publish(self, reservation: Reservation, filled: Sequence[bool]) -> list[bool]:
+        """Make the values `filled` marks visible; True per value stored (`put_many`'s flags)."""
+        items, written = reservation.items, [False] * len(reservation.items)
+        chosen = [i for i, ok in enumerate(filled) if ok and reservation.destinations[i] is not None]
+        for i, ok in zip(chosen, self.put_many([(items[i][0], reservation.destinations[i]) for i in chosen])
+                         if chosen else []):
             written[i] = ok
         return written
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from .base import Fill, Lease, Store
+from .base import Lease, Reservation, Store
 from .buffers import Buffer
 from .errors import EntryTooLargeError, StoreConfigError
 
@@ -241,7 +241,7 @@ class MemoryStore(Store):
         return held
 
     # -- writes ----------------------------------------------------------------------------------
-    def _write(self, items: list[tuple[bytes, int]], fill: Fill) -> list[bool]:
+    def _reserve_slots(self, items: list[tuple[bytes, int]]) -> Reservation:
         batch: dict[int, int] = {}  # item -> reserved slot, in batch order
         latest: dict[bytes, int] = {}  # key -> the item of this batch that will hold it
         dests: list[np.ndarray | None] = [None] * len(items)
@@ -258,25 +258,24 @@ class MemoryStore(Store):
             self._pending += len(batch)
         if evicted[0]:
             self._count(evictions=evicted[0], evicted_bytes=evicted[1])
-        filled = None
-        try:
-            filled = list(fill(dests))  # outside the lock: the slots are invisible to everyone else
-            if len(filled) != len(items):
-                raise ValueError(f"fill returned {len(filled)} flags for {len(items)} values")
-        finally:
-            written = [False] * len(items)
-            with self._lock:
-                self._pending -= len(batch)
-                for i, slot in batch.items():
-                    key, nbytes = items[i]
-                    if filled is None or len(filled) != len(items) or not filled[i]:
-                        self._free(slot)
-                        continue
-                    if key in self._index:
-                        self._unindex(key)
-                    self._index[key] = (slot, nbytes)
-                    self._used += nbytes
-                    written[i] = True
+        return Reservation(items, dests, batch)
+
+    def publish(self, reservation: Reservation, filled: Sequence[bool]) -> list[bool]:
+        """Index the slots `filled` marks (replacing older values of their keys), free the others."""
+        items, batch = reservation.items, reservation.handle
+        written = [False] * len(items)
+        with self._lock:
+            self._pending -= len(batch)
+            for i, slot in batch.items():
+                key, nbytes = items[i]
+                if not filled[i]:
+                    self._free(slot)
+                    continue
+                if key in self._index:
+                    self._unindex(key)
+                self._index[key] = (slot, nbytes)
+                self._used += nbytes
+                written[i] = True
         ok, declined = sum(written), sum(1 for i in batch if not written[i])
         self._count(puts=ok, put_bytes=sum(n for (_, n), w in zip(items, written) if w),
                     dropped_puts=len(items) - ok - declined)
@@ -291,11 +290,11 @@ class MemoryStore(Store):
                     dest[:] = np.frombuffer(view, np.uint8)
             return [dest is not None for dest in dests]
 
-        return self._write([(key, view.nbytes) for key, view in views], copy)
+        return self.write_many([(key, view.nbytes) for key, view in views], copy)
 
-    def write_many(self, items: Sequence[tuple[bytes, int]], fill: Fill) -> list[bool]:
-        """Reserve a slot per value, let `fill` write into them (None: no room, or a later item of the
-        batch replaces or evicts that one), then publish those it filled. Returns put_many's flags."""
+    def reserve(self, items: Sequence[tuple[bytes, int]]) -> Reservation:
+        """Held slots for the values (None: no room, or a later item of the batch replaces or evicts
+        that one), invisible until `publish`; `write_many` is reserve, fill, publish."""
         keys = [key for key, _ in self._views([(key, b"") for key, _ in items])]  # put_many's key checks
         sizes = [int(n) for _, n in items]
         for n in sizes:
@@ -305,7 +304,7 @@ class MemoryStore(Store):
                 raise EntryTooLargeError(
                     f"a {n}-byte value cannot fit in {self.url}: it takes entries up to {self.max_entry_bytes} "
                     f"bytes (capacity {self.capacity} bytes); raise the capacity")
-        return self._write(list(zip(keys, sizes)), fill)
+        return self._reserve_slots(list(zip(keys, sizes)))
 
     # -- reads -----------------------------------------------------------------------------------
     def read_many(self, keys: Sequence[bytes], consume: Callable[[int, memoryview], None]) -> list[bool]:

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import Fill, Lease, Store
+from .base import Lease, Reservation, Store
 from .buffers import Buffer
 
 log = logging.getLogger(__name__)
@@ -149,14 +149,22 @@ class TieredStore(Store):
         self._count_puts(stored, [v.nbytes for _, v in views])
         return stored
 
-    def write_many(self, items: Sequence[tuple[bytes, int]], fill: Fill) -> list[bool]:
+    def reserve(self, items: Sequence[tuple[bytes, int]]) -> Reservation:
+        """Front slots (write-behind), or private buffers that `publish` puts (write-through, or a
+        value too large for the front)."""
         items = list(items)
         if self.write == "through" or any(not self._fits_front(n) or n > self.max_entry_bytes for _, n in items):
-            return super().write_many(items, fill)  # private buffers, then put_many (one copy)
+            return super().reserve(items)
         self._views([(key, b"") for key, _ in items])  # the keys, against the back's limits
-        stored = self.front.write_many(items, fill)
-        self._queue_behind([key for (key, _), ok in zip(items, stored) if ok])
-        self._count_puts(stored, [n for _, n in items])
+        front = self.front.reserve(items)
+        return Reservation(items, front.destinations, front)
+
+    def publish(self, reservation: Reservation, filled: Sequence[bool]) -> list[bool]:
+        if reservation.handle is None:  # private buffers: put_many counts and queues them
+            return super().publish(reservation, filled)
+        stored = self.front.publish(reservation.handle, filled)
+        self._queue_behind([key for (key, _), ok in zip(reservation.items, stored) if ok])
+        self._count_puts(stored, [n for _, n in reservation.items])
         return stored
 
     def _count_puts(self, stored: list[bool], sizes: list[int]) -> None:

@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..threads import start_background
 from .offloader import BlockTable, Offloader
 from .plan import Page
 
@@ -42,8 +43,7 @@ class Jobs:
         self._running = 0  # jobs taken off the queue and not yet reported
         self._cond = threading.Condition()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._thread = start_background(self._run, name)  # niced: the engine's forward runs first
         _live.add(self)
 
     # -- submission (the engine's thread) ------------------------------------------------------------

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..threads import start_background
 from .base import Lease, Reservation, Store
 from .buffers import Buffer
 
@@ -224,8 +225,7 @@ class TieredStore(Store):
     def _ensure_writer(self) -> None:
         """Under `_lock`: a writer thread while anything is queued (started lazily; again after a fork)."""
         if self._queue and (self._thread is None or not self._thread.is_alive()):
-            self._thread = threading.Thread(target=self._run, name="kvoffload-write-behind", daemon=True)
-            self._thread.start()
+            self._thread = start_background(self._run, "kvoffload-write-behind")
 
     def _too_old(self) -> str:
         return "waited longer than behind_age=%gs for the disk" % self.behind_age

@@ -116,3 +116,23 @@ def test_datapath_benchmark_json(tmp_path):
     tiered = result["results"]["all_groups"]["tiered_lmdb"]
     assert tiered["behind_written"] > 0 and tiered["behind_dropped"] == 0
     assert tiered["drain_GBps"] > 0 and tiered["lmdb_only_load_GBps"] > 0
+
+
+@pytest.mark.slow
+def test_stall_benchmark_json(tmp_path):
+    """Three in-process vLLM engines; the run itself asserts that the reloaded prefix came from the connector."""
+    result = _bench("stall", tmp_path)
+    assert set(result["results"]) == {"none", "kvoffload_lmdb", "kvoffload_tiered"}
+    assert result["target"]["p99_ratio_max"] == 1.1
+    window = result["workload"]["window_steps"] * result["workload"]["rounds"]
+    for name, row in result["results"].items():
+        assert set(row) == {"save", "load"}
+        for scenario, r in row.items():
+            assert 0 < r["decode_only"]["steps"] < r["all_steps"]["steps"] == window, (name, scenario)
+            assert 0 < r["decode_only"]["p50_ms"] <= r["decode_only"]["p99_ms"]
+            assert r["quiet_p50_ms"] > 0 and r["long_prefill_steps"] >= 1
+            if name != "none":
+                assert {"p50_ratio", "p99_ratio", "p99_target_met"} <= set(r)
+    assert result["results"]["none"]["load"]["long_cached_tokens"] == 0  # recomputed: no connector
+    for name in ("kvoffload_lmdb", "kvoffload_tiered"):
+        assert result["results"][name]["load"]["long_cached_tokens"] == result["workload"]["long_prefix_tokens"]

@@ -116,9 +116,20 @@ def _faults(ax, result):
     ax.set(ylabel="count (log)", title="LMDB fault campaign: every byte checked (no orange bar: nothing lost)")
 
 
+def _stall(ax, result):
+    labels, series = [], {"decode-only p50": [], "decode-only p99": []}
+    for scenario in ("save", "load"):
+        for name, row in result["results"].items():
+            labels.append(f"{scenario}\n{name.replace('kvoffload_', '')}")
+            series["decode-only p50"].append(row[scenario]["decode_only"]["p50_ms"])
+            series["decode-only p99"].append(row[scenario]["decode_only"]["p99_ms"])
+    _bars(ax, labels, series)
+    ax.set(ylabel="ms per engine step", title="Decode steps while another request's long prefix is saved / loaded")
+
+
 DRAW = {"store": _store, "footprint": _footprint, "ttft": _ttft, "vllm-ttft": _vllm_ttft, "overhead": _overhead,
         "transfer": _transfer, "redis": _redis, "faults": _faults,
-        "datapath": _datapath}
+        "datapath": _datapath, "stall": _stall}
 
 
 def plot(result: dict, json_path: str) -> str:

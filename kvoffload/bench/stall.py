@@ -8,7 +8,8 @@ Target: decode-step p99 with the connector <= 1.1x the p99 without one.
 One scenario run (`vllm_engine._stall`, engines in-process so the scheduler's own output is visible):
 a few decode requests (short prompts, greedy, no end) run until each has its first token, then
 `quiet` steps; then one long prompt (one output token) joins them and `window` steps follow.
-- save: the long prompt is new: the engine prefills it in chunks and the connector saves its pages.
+- save: the long prompt is new: the engine prefills it (one step at these sizes: vLLM's token budget
+  per step is above the prompt) and the connector saves its pages.
 - load: the same long prompt again after the engine's own prefix cache was reset (and its saves were
   reported done), so the prefix can only come from the connector: the request waits while its pages
   are loaded, then prefills the last half block. No connector: it is recomputed in full.
@@ -20,8 +21,8 @@ not stall, and are reported separately (all steps). The connector's saves of a c
 chunk's step, so they overlap the decode-only steps after it. Per engine and scenario, decode-only
 steps of every round pooled: p50, p99 and their ratio to no connector's; and the decode-only steps
 taken while the long request's transfers were in flight (before the scheduler released it: a saving
-request is held until its saves are reported, a loading one waits until its pages are in). `quiet` steps (before the
-long prompt) give each engine's plain decode step for reference. The engines are up side by side and
+request is held until its saves are reported, a loading one waits until its pages are in). `quiet`
+steps (before the long prompt) give each engine's plain decode step for reference. The engines are up side by side and
 take the rounds in turn, order rotating, so machine noise hits each alike.
 
 Each engine computes on one thread (OMP_NUM_THREADS=1), leaving a core to the connector's background
@@ -79,7 +80,7 @@ def run(quick: bool = False, progress=None) -> dict:
         model = tiny_llama(f"{tmp}/model", **MODEL)
         configs = connector_configs(tmp)
         running = {}
-        stack.enter_context(mock.patch.dict(os.environ, {"OMP_NUM_THREADS": ENGINE_THREADS}))  # the children's
+        stack.enter_context(mock.patch.dict(os.environ, {"OMP_NUM_THREADS": ENGINE_THREADS}))  # engines inherit it
         for name in NAMES:
             say(f"[bench stall] starting the {name} engine")
             running[name] = stack.enter_context(Engine(model, configs[name], block_size=BLOCK,

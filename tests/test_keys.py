@@ -81,3 +81,18 @@ def test_page_keys_differ_per_group():
 
 def test_framing_prevents_ambiguous_concatenation():
     assert KeyChain(FP, 16, namespace="ab", salt="c").context != KeyChain(FP, 16, namespace="a", salt="bc").context
+
+
+def test_request_salt_frames_every_part_a_client_cannot_forge_another():
+    from kvoffload.spec import request_salt
+
+    assert request_salt() is None and request_salt("") is None
+    assert request_salt("t") == request_salt(b"t")  # deterministic, str or bytes
+    # what the old "|".join allowed: a crafted cache salt equal to another request's adapter or inputs
+    assert request_salt("|lora:x") != request_salt(None, lora="x")
+    assert request_salt("a|mm:h") != request_salt("a", mm_ids=["h"])
+    assert request_salt("a", mm_ids=["b", "c"]) != request_salt("a", mm_ids=["bc"])
+    assert request_salt(None, lora="") != request_salt(None)  # an adapter named "" is still an adapter
+    salts = {request_salt(s, lora=l, mm_ids=m) for s in (None, "x", "lora") for l in (None, "x", "lora")
+             for m in ((), ("x",), ("x", "y"))}
+    assert len(salts) == 3 * 3 * 3  # all distinct (one of them None: no salt at all)

@@ -618,3 +618,22 @@ def test_disagreeing_worker_layout_fails_at_register(tmp_path, monkeypatch):
     worker = _connector(tmp_path, role_name="WORKER")
     with pytest.raises(UnsupportedLayoutError, match="cacheable_groups: scheduler"):
         worker.register_kv_caches(caches)
+
+
+def test_a_crafted_cache_salt_never_yields_another_requests_keys(tmp_path):
+    """A base-model request whose client-chosen cache_salt spells a LoRA adapter or a multimodal input
+    must not get that request's keys (the old '|'-joined salt let it poison the LoRA request's cache)."""
+    from types import SimpleNamespace
+
+    vc, worker_cfg = _glm_vllm_config(BLOCK, f"lmdb://{tmp_path}/store?capacity=256MiB")
+    scheduler = _Engine(vc, worker_cfg).connector.connector_scheduler
+    prompt = _prompt(3)
+
+    def keys(cache_salt=None, lora=None, mm=()):
+        request = SimpleNamespace(cache_salt=cache_salt, mm_features=[SimpleNamespace(identifier=i) for i in mm],
+                                  lora_request=SimpleNamespace(lora_name=lora) if lora is not None else None)
+        return scheduler._salted_chain(request).keys(prompt)
+
+    assert keys("|lora:x") != keys(lora="x")
+    assert keys("a|mm:h") != keys("a", mm=["h"])
+    assert keys(lora="x") == keys(lora="x") and keys() == scheduler.chain.keys(prompt)

@@ -9,7 +9,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..spec import GroupKind, KeyChain, page_key
+from ..spec import GroupKind, KeyChain, page_key, request_salt
 from ..spec.vllm import KindsLayout, group_name
 from ..store import parse_url, shared_store
 from .plan import hit_blocks
@@ -110,12 +110,10 @@ class _Scheduler:
         return bool(self._pinned)  # a save job's report will give blocks back: no need to preempt
 
     def _salted_chain(self, request: Request) -> KeyChain:
-        salt = [getattr(request, "cache_salt", None) or ""]
         lora = getattr(request, "lora_request", None)
-        if lora is not None:
-            salt.append(f"lora:{lora.lora_name}")
-        salt += [f"mm:{f.identifier}" for f in (getattr(request, "mm_features", None) or [])]
-        return self.chain.with_salt("|".join(salt)) if any(salt) else self.chain
+        salt = request_salt(getattr(request, "cache_salt", None), lora.lora_name if lora is not None else None,
+                            [f.identifier for f in (getattr(request, "mm_features", None) or [])])
+        return self.chain if salt is None else self.chain.with_salt(salt)
 
     def _state(self, request: Request) -> _RequestState:
         state = self._requests.get(request.request_id)

@@ -30,6 +30,17 @@ def _framed(*parts: bytes) -> bytes:
     return b"".join(len(p).to_bytes(8, "little") + p for p in parts)
 
 
+def request_salt(cache_salt: str | bytes | None = None, lora: str | None = None,
+                 mm_ids: Sequence[str] = ()) -> bytes | None:
+    """One request's salt from what a client controls (its cache salt) and what the engine adds (LoRA
+    adapter, multimodal inputs): every part framed in a fixed order, so no choice of cache salt can
+    spell another request's adapter or inputs (a salt '|lora:x' is not LoRA 'x'). None: no salt."""
+    if not cache_salt and lora is None and not mm_ids:
+        return None
+    return _framed(b"cache_salt", _as_bytes(cache_salt), b"lora", _as_bytes(lora) if lora is not None else b"",
+                   b"lora_set", b"1" if lora is not None else b"0", b"mm", _framed(*(_as_bytes(i) for i in mm_ids)))
+
+
 class KeyChain:
     """Keys for the full blocks of token sequences under one layout, namespace and salt."""
 

@@ -11,7 +11,12 @@ is reserved whole at open (`reserve`, default: when pinned), so no save ever wai
 A slot can be held: by a reader while it consumes, by a lease (`acquire`) until `release`, by a
 `write_many` while its caller fills it. Held bytes are never evicted, reused or overwritten; a key
 evicted, replaced or deleted while its slot is held leaves the index at once, and the slot is freed
-when its last holder lets go."""
+when its last holder lets go.
+
+Lock order: one store lock (`_lock`), taken for bookkeeping only (no copy, no fill, no caller callback
+runs under it); the base class's counter lock is taken after it is released, never inside it. A tiered
+store may hold its own `_lock` while calling in (tiered._lock -> this lock): this lock is always the
+innermost."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from contextlib import nullcontext
 import threading
 import time
 
@@ -71,25 +72,17 @@ def _raw(nbytes: int, device, repeats: int) -> dict:
     streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)] if gpu else None
 
     def save():
-        with torch.cuda.stream(streams[0]) if gpu else _null():
+        with torch.cuda.stream(streams[0]) if gpu else nullcontext():
             host_out.copy_(src, non_blocking=gpu)
 
     def load():
-        with torch.cuda.stream(streams[1]) if gpu else _null():
+        with torch.cuda.stream(streams[1]) if gpu else nullcontext():
             back.copy_(host_in, non_blocking=gpu)
 
     rows = {"raw_memcpy_save_GBps": _median_gbps(save, nbytes, repeats, device),
             "raw_memcpy_load_GBps": _median_gbps(load, nbytes, repeats, device),
             "raw_memcpy_both_GBps": _median_gbps(lambda: (save(), load()), 2 * nbytes, repeats, device)}
     return rows
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _memory_tier(cache, kinds, half: int, device, repeats: int) -> dict:

@@ -151,9 +151,9 @@ class DeviceTransfer:
         span_cuts = np.searchsorted(at, page_at[cuts[:-1]]).tolist() + [len(at)]
         return sizes, page_at, spans, lengths, at, cuts, span_cuts
 
-    def _staged(self, items: Sequence[Item], after=None, to_host: bool = True):
+    def _staged(self, items: Sequence[Item], after=None):
         """Yield (batch, slot, page offsets in the slot) batch by batch, the pages gathered into the slot's
-        device buffer (and copied to its pinned host buffer when `to_host`); valid until the next batch
+        device buffer and copied to its pinned host buffer; valid until the next batch
         is requested. The next batch's gather is queued before this one is handed out. The spans of all
         batches are planned at once (one vectorised pass, not one per batch)."""
         if not items:
@@ -170,8 +170,7 @@ class DeviceTransfer:
             with self._on("save", wait=False):
                 self.copier.gather(spans[a:b], lengths[a:b], slot.device, at[a:b] - base, slot.table)
                 if self.gpu:
-                    if to_host:
-                        slot.host[:total].copy_(slot.device[:total], non_blocking=True)
+                    slot.host[:total].copy_(slot.device[:total], non_blocking=True)
                     slot.event.record()
             return slot
 
@@ -180,8 +179,7 @@ class DeviceTransfer:
             slot = queued
             if k + 2 < len(cuts):
                 queued = queue(k + 1)
-            if to_host:
-                slot.wait()
+            slot.wait()
             first, end = cuts[k], cuts[k + 1]
             yield items[first:end], slot, (page_at[first:end] - page_at[first]).tolist()
 

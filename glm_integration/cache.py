@@ -44,13 +44,17 @@ class PagedCache:
     """The packed buffer, typed views onto each layer's pages, and the layout description."""
 
     def __init__(self, config: GlmConfig, block_size: int, num_blocks: int, *, index_format: str = "fp32",
-                 model_id: str = "", device: str | torch.device = "cpu"):
+                 model_id: str = "", device: str | torch.device = "cpu", tp_rank: int = 0, tp_size: int = 1):
         kpool = config.index_kpool
         if block_size % kpool:
             raise ValueError(f"block size {block_size} must be a multiple of index_kpool {kpool}")
         if index_format not in INDEX_FORMATS:
             raise ValueError(f"index_format must be one of {INDEX_FORMATS}, got {index_format!r}")
         self.config, self.block_size, self.num_blocks = config, block_size, num_blocks
+        # One tensor-parallel rank's cache when tp_size > 1: `config` carries this rank's KDA heads; the
+        # MLA latent and indexer rows are the same on every rank (one latent per token), so they are
+        # stored once per TP group (CacheGroup.tp_replicas).
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.index_format, self.kpool = index_format, kpool
         self.dtype = torch_dtype(config)
         self.mla_layers, self.kda_layers = list(config.mla_layers), list(config.kda_layers)
@@ -148,7 +152,7 @@ class PagedCache:
             groups.append(CacheGroup(len(groups), "mla", GroupKind.PAGED, self.block_size, (
                 self._region(self._latent, self.mla_layers, "self_attn.latent", dt),
                 self._region(self._index, self.mla_layers, "self_attn.indexer.k_cache", index_dtype)),
-                tokens_per_state=self.kpool, spec_type="MLA latent + DSA indexer"))
+                tokens_per_state=self.kpool, spec_type="MLA latent + DSA indexer", tp_replicas=self.tp_size))
         for g, layers in enumerate(self.kda_groups):
             groups.append(CacheGroup(len(groups), f"kda{g}", GroupKind.STATE, self.block_size, (
                 self._region(self._kda, layers, "self_attn.kda_state", f"{dt}+float32"),), spec_type="KDA state"))
@@ -159,4 +163,4 @@ class PagedCache:
         return CacheLayout(model_id=model_id, groups=tuple(groups), block_size=self.block_size,
                            hash_block_size=self.block_size, hit_alignment=lcm(self.block_size, self.kpool),
                            num_blocks=self.num_blocks, buffer_sizes=(self.buffer.numel(),), index_kpool=self.kpool,
-                           extra=(("dtype", dt), ("index_format", self.index_format)))
+                           tp_rank=self.tp_rank, tp_size=self.tp_size, extra=(("dtype", dt), ("index_format", self.index_format)))

@@ -7,6 +7,9 @@
 A prefix of k blocks is a hit only when every PAGED page of blocks [0, k) and every STATE checkpoint
 at boundary k are present, k * block_size is a multiple of the hit alignment (hence of index_kpool:
 no open pool to restore), and at least one prompt token is left to compute.
+Under tensor parallelism a page's key names its shard (`spec.keys.shard_key`): a group replicated on
+several ranks is written by the first rank of each replica set and read by all, and a hit needs the
+pages of every rank.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from ..spec import CacheGroup, CacheLayout, GroupKind, page_key
+from ..spec import CacheGroup, CacheLayout, GroupKind, page_key, shard_key
 
 
 @dataclass(frozen=True)
@@ -24,9 +27,28 @@ class Page:
     index: int  # block index within the request (block i covers tokens [i*B, (i+1)*B))
 
 
-def _pages(layout: CacheLayout, block_keys: Sequence[bytes], blocks: Iterable[int], kind: GroupKind) -> list[Page]:
+def page(layout, block_key: bytes, group: CacheGroup, index: int, rank: int | None = None) -> Page:
+    """One group's page of a block, keyed for `rank` (default: the layout's own TP rank; a scheduler's
+    rank-free view names rank 0's)."""
+    rank = getattr(layout, "tp_rank", 0) if rank is None else rank
+    return Page(page_key(shard_key(block_key, rank, layout.tp_size, group.tp_replicas), group.name), group, index)
+
+
+def writes(layout: CacheLayout, group: CacheGroup) -> bool:
+    """Whether this rank stores `group`'s pages: one rank per set of replicas does."""
+    return getattr(layout, "tp_rank", 0) % group.tp_replicas == 0
+
+
+def _pages(layout, block_keys: Sequence[bytes], blocks: Iterable[int], kind: GroupKind,
+           rank: int | None = None) -> list[Page]:
     groups = [g for g in layout.cacheable_groups if g.kind is kind]
-    return [Page(page_key(block_keys[i], g.name), g, i) for i in blocks for g in groups]
+    return [page(layout, block_keys[i], g, i, rank) for i in blocks for g in groups]
+
+
+def _every_rank(layout, block_keys: Sequence[bytes], blocks: range, kind: GroupKind) -> list[Page]:
+    """The pages of `blocks` on every TP rank, each shared key once."""
+    pages = (p for rank in range(layout.tp_size) for p in _pages(layout, block_keys, blocks, kind, rank))
+    return list({p.key: p for p in pages}.values())
 
 
 def max_hit_blocks(layout: CacheLayout, num_prompt_tokens: int) -> int:
@@ -38,13 +60,13 @@ def max_hit_blocks(layout: CacheLayout, num_prompt_tokens: int) -> int:
 
 def hit_blocks(layout: CacheLayout, block_keys: Sequence[bytes], num_prompt_tokens: int,
                contains: Callable[[list[bytes]], list[bool]], start: int = 0) -> int:
-    """How many leading blocks a store can restore (>= `start`, the blocks the engine already holds;
-    returns `start` when the store adds nothing). One batched presence query."""
+    """How many leading blocks a store can restore on every TP rank (>= `start`, the blocks the engine
+    already holds; returns `start` when the store adds nothing). One batched presence query."""
     limit = min(max_hit_blocks(layout, num_prompt_tokens), len(block_keys))
     if limit <= start:
         return start
-    paged = _pages(layout, block_keys, range(start, limit), GroupKind.PAGED)
-    state = _pages(layout, block_keys, range(start, limit), GroupKind.STATE)
+    paged = _every_rank(layout, block_keys, range(start, limit), GroupKind.PAGED)
+    state = _every_rank(layout, block_keys, range(start, limit), GroupKind.STATE)
     present = dict(zip((p.key for p in paged + state), contains([p.key for p in paged + state])))
     blocks_per_step = layout.hit_alignment // layout.block_size
     best, i = start, start
@@ -65,8 +87,10 @@ def pages_for_load(layout: CacheLayout, block_keys: Sequence[bytes], start: int,
 
 def pages_for_save(layout: CacheLayout, block_keys: Sequence[bytes], full_blocks: int,
                    state_blocks: Iterable[int]) -> list[Page]:
-    """PAGED pages of every full computed block; STATE pages only where a boundary checkpoint exists."""
+    """PAGED pages of every full computed block; STATE pages only where a boundary checkpoint exists;
+    of a replicated group only on the rank that writes it."""
     blocks = range(min(full_blocks, len(block_keys)))
     with_state = sorted(set(state_blocks) & set(blocks))
-    return (_pages(layout, block_keys, blocks, GroupKind.PAGED)
-            + _pages(layout, block_keys, with_state, GroupKind.STATE))
+    pages = (_pages(layout, block_keys, blocks, GroupKind.PAGED)
+             + _pages(layout, block_keys, with_state, GroupKind.STATE))
+    return [p for p in pages if writes(layout, p.group)]

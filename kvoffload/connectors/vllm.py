@@ -33,6 +33,9 @@ a save in flight count as present for lookups: the load that follows runs after 
 
 Keys are kvoffload's own chained block keys (never vLLM's block hashes: those depend on a per-process
 seed unless PYTHONHASHSEED is fixed), salted with the request's `cache_salt`, LoRA and multimodal ids.
+Under tensor parallelism each rank stores its own shards (KDA heads) under its own keys, while groups
+every rank holds identically (MLA latent, indexer rows) are written once, by the first rank, under one
+key all ranks read (`spec.keys.shard_key`); the scheduler's hit needs every rank's pages.
 """
 
 from __future__ import annotations
@@ -54,15 +57,14 @@ from ..spec.vllm import UnsupportedLayoutError, scheduler_view
 from ..store import parse_url
 from .vllm_metrics import KVOffloadPromMetrics, KVOffloadStats
 from .vllm_scheduler import _Scheduler
-from .vllm_shared import KVOffloadMetadata, LoadJob, SaveJob, StoredPages, rank_keys
+from .vllm_shared import KVOffloadMetadata, LoadJob, SaveJob, StoredPages
 from .vllm_worker import _Worker
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-__all__ = ["KVOffloadConnector", "KVOffloadMetadata", "LoadJob", "SaveJob", "StoredPages", "EXTRA_CONFIG_KEYS",
-           "rank_keys"]
+__all__ = ["KVOffloadConnector", "KVOffloadMetadata", "LoadJob", "SaveJob", "StoredPages", "EXTRA_CONFIG_KEYS"]
 
 EXTRA_CONFIG_KEYS = {
     "store": "store URL (memory://, lmdb:///abs/dir, tiered://...); default lmdb under ~/.cache/kvoffload",
@@ -101,7 +103,12 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.block_size = kv_cache_config.hash_block_size or vllm_config.cache_config.block_size
         # The scheduler's view (group kinds, block size, hit alignment); raises UnsupportedLayoutError for
         # unknown specs. Workers check their full byte layout against it in register_kv_caches.
-        self.view = scheduler_view(kv_cache_config, self.block_size)
+        # Groups TP ranks hold identically (MLA latent, indexer) are stored once per TP group, unless
+        # each rank's store is private to its process (memory://).
+        share = parse_url(self.store_url).scheme != "memory"
+        dcp_size = int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
+        self.view = scheduler_view(kv_cache_config, self.block_size, tp_size=self.tp_size, dcp_size=dcp_size,
+                                   share_replicas=share)
         self.kinds = list(self.view.kinds)
         if not any(kind is not GroupKind.SKIP for kind in self.kinds):
             raise UnsupportedLayoutError("KVOffloadConnector: no prefix-cacheable KV cache group")
@@ -118,7 +125,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self.connector_scheduler = _Scheduler(self.view, self.chain, self.store_url, self.tp_size, workers)
         else:
             self.connector_worker = _Worker(kv_cache_config, self.view, self.store_url, model_id, self.tp_rank,
-                                            self.tp_size)
+                                            self.tp_size, dcp_size=dcp_size, share_replicas=share)
 
     # ------------------------------------------------------------------ scheduler side
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:

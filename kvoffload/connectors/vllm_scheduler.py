@@ -9,11 +9,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..spec import GroupKind, KeyChain, page_key, request_salt
-from ..spec.vllm import KindsLayout, group_name
+from ..spec import GroupKind, KeyChain, request_salt
+from ..spec.vllm import KindsLayout
 from ..store import parse_url, shared_store
-from .plan import hit_blocks
-from .vllm_shared import KVOffloadMetadata, LoadJob, SaveJob, StoredPages, rank_keys
+from .plan import hit_blocks, page
+from .vllm_shared import KVOffloadMetadata, LoadJob, SaveJob, StoredPages
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -50,15 +50,15 @@ class _MirrorIndex:
         return found
 
 
-def _mirror_for(url: str) -> _MirrorIndex | None:
+def _mirror_for(url: str, workers: int) -> _MirrorIndex | None:
     """LMDB (alone or behind memory) is read directly by the scheduler process; a memory tier lives in
-    the worker process, so the scheduler mirrors it from the workers' reports."""
+    each worker process, so the scheduler mirrors them (together) from the workers' reports."""
     from ..store import DEFAULT_MEMORY_CAPACITY, parse_size
 
     parsed = parse_url(url)
     if parsed.scheme != "memory":
         return None
-    return _MirrorIndex(parse_size(parsed.options.get("capacity", DEFAULT_MEMORY_CAPACITY)))
+    return _MirrorIndex(workers * parse_size(parsed.options.get("capacity", DEFAULT_MEMORY_CAPACITY)))
 
 
 @dataclass
@@ -89,7 +89,7 @@ class _Scheduler:
         self.block_size = layout.block_size
         self.counters: Counter[str] = Counter()
         self._requests: dict[str, _RequestState] = {}
-        self._mirror = _mirror_for(store_url)
+        self._mirror = _mirror_for(store_url, workers)
         self._store_presence = self._mirror.contains_many if self._mirror else shared_store(store_url).contains_many
         self._block_pool = None  # vLLM binds it after construction
         self._next_job = 0
@@ -128,9 +128,8 @@ class _Scheduler:
         have = num_computed_tokens // self.block_size
         if num_computed_tokens % self.block_size or state.load_failed:
             return 0, False
-        try:  # rank 0's pages stand for all ranks' (a rank that misses fails its load: recomputed)
-            total = hit_blocks(self.layout, rank_keys(state.block_keys, 0, self.tp_size),
-                               state.num_prompt_tokens, self._presence, have)
+        try:  # every TP rank's pages (the layout knows tp_size and which groups ranks share)
+            total = hit_blocks(self.layout, state.block_keys, state.num_prompt_tokens, self._presence, have)
         except Exception as exc:  # noqa: BLE001 - a broken store is a miss, never a failed engine
             log.error("KVOffloadConnector lookup failed: %s", exc)
             total = have
@@ -182,10 +181,18 @@ class _Scheduler:
         if self._block_pool is not None:
             blocks = [self._block_pool.blocks[block_id] for _, _, _, block_id in job.pages]
             self._block_pool.touch(blocks)
-        keys = [page_key(rank_keys([key], 0, self.tp_size)[0], group_name(g, self.kinds[g]))
-                for key, g, _, _ in job.pages]
+        keys = self._in_flight_keys(job)
         self._in_flight.update(keys)
         self._pinned[job.job_id] = _PinnedJob(blocks, keys)
+
+    def _in_flight_keys(self, job: SaveJob) -> list[bytes]:
+        """Every rank's keys of a job's pages, for lookups while it runs: a rank's own load runs after
+        its own saves, in order. A page ranks share (written by one rank, read by all) is not among
+        them: it counts only once it is stored."""
+        groups = {g.index: g for g in self.layout.cacheable_groups}
+        return list({page(self.layout, key, groups[g], index, rank).key: None
+                     for key, g, index, _ in job.pages if groups[g].tp_replicas == 1
+                     for rank in range(self.layout.tp_size)})
 
     def _unpin(self, job_id: int, reports: int) -> None:
         pinned = self._pinned.get(job_id)

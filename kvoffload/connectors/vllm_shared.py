@@ -7,8 +7,6 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from ..spec import page_key
-
 
 @dataclass
 class LoadJob:
@@ -49,8 +47,3 @@ class StoredPages(KVConnectorWorkerMetadata):
         for job, count in other.done_jobs.items():
             done[job] = done.get(job, 0) + count
         return StoredPages({**self.added, **other.added}, self.missing | other.missing, done)
-
-
-def rank_keys(keys: list[bytes], rank: int, size: int) -> list[bytes]:
-    """Each TP rank stores its own shard under its own keys."""
-    return keys if size == 1 else [page_key(k, f"tp{rank}/{size}") for k in keys]

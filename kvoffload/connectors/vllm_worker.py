@@ -10,15 +10,14 @@ from collections import Counter
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from ..spec import page_key
 from ..spec.vllm import KindsLayout, check_agreement, from_vllm
 from ..store import shared_store
 from .jobs import Jobs
 from .offloader import Offloader
-from .plan import Page
+from .plan import page, writes
 from .transfer import make_transfer
 from .vllm_metrics import COUNTERS, KVOffloadStats
-from .vllm_shared import KVOffloadMetadata, StoredPages, rank_keys
+from .vllm_shared import KVOffloadMetadata, StoredPages
 
 log = logging.getLogger("kvoffload.connectors.vllm")
 
@@ -28,9 +27,10 @@ class _Worker:
     worker's layout in `register_kv_caches`)."""
 
     def __init__(self, kv_cache_config, view: KindsLayout, store_url: str, model_id: str, tp_rank: int,
-                 tp_size: int):
+                 tp_size: int, *, dcp_size: int = 1, share_replicas: bool = True):
         self.kv_cache_config, self.view, self.store_url = kv_cache_config, view, store_url
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self._dcp_size, self._share_replicas = dcp_size, share_replicas
         self.offloader: Offloader | None = None
         self.jobs: Jobs | None = None
         self.layout = None
@@ -48,7 +48,7 @@ class _Worker:
         except Exception:  # noqa: BLE001 - not initialised (single process): keep the config's rank
             pass
         layout = from_vllm(self.kv_cache_config, model_id=self._model_id, tp_rank=self.tp_rank,
-                           tp_size=self.tp_size)
+                           tp_size=self.tp_size, dcp_size=self._dcp_size, share_replicas=self._share_replicas)
         check_agreement(self.view, layout)  # UnsupportedLayoutError at start-up, never wrong pages later
         any_cache = next(iter(kv_caches.values()))
         any_cache = any_cache[0] if isinstance(any_cache, (list, tuple)) else any_cache
@@ -60,15 +60,12 @@ class _Worker:
         log.info("KVOffloadConnector: %s, %d bytes stored per block", self.store_url,
                  layout.stored_bytes_per_block())
 
-    def _rank_keys(self, keys: list[bytes]) -> list[bytes]:
-        return rank_keys(keys, self.tp_rank, self.tp_size)
-
     def start_load_kv(self, meta) -> None:
         """Submit this step's loads; they finish in the background (reported by get_transfer_results)."""
         if not isinstance(meta, KVOffloadMetadata) or self.jobs is None:
             return
         for job in meta.loads:
-            self.jobs.submit_load(job.req_id, self._rank_keys(job.block_keys), job.start, job.end, job.block_ids)
+            self.jobs.submit_load(job.req_id, job.block_keys, job.start, job.end, job.block_ids)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Loads and saves finished since the last step. A failed load is also 'finished' so the request
@@ -97,11 +94,10 @@ class _Worker:
         """Submit this step's saves (after the forward that computed them); nothing waits here."""
         if not isinstance(meta, KVOffloadMetadata) or self.jobs is None:
             return
-        groups = self.offloader.layout.groups
-        for job in meta.saves:
-            keys = self._rank_keys([key for key, _, _, _ in job.pages])
-            pages = [(Page(page_key(k, groups[g].name), groups[g], index), block)
-                     for k, (_, g, index, block) in zip(keys, job.pages)]
+        layout = self.offloader.layout
+        for job in meta.saves:  # this rank's keys; a replicated group's pages only on its writing rank
+            pages = [(page(layout, key, layout.groups[g], index), block) for key, g, index, block in job.pages
+                     if writes(layout, layout.groups[g])]
             self._saving[job.req_id] += 1
             self.jobs.submit_save((job.job_id, job.req_id), pages)
         self._awaited.update(meta.await_saves)

@@ -75,6 +75,19 @@ class KeyChain:
         return keys
 
 
+def shard_key(block_key: bytes, tp_rank: int, tp_size: int, tp_replicas: int = 1) -> bytes:
+    """A block key as tensor-parallel rank `tp_rank` of `tp_size` stores it. Ranks hold shards of a
+    group (their own KDA heads: one key per rank) unless `tp_replicas` consecutive ranks hold the very
+    same bytes (an MLA latent, an indexer row: replicated on every rank), which then share one key, so
+    such a page is stored once per TP group instead of once per rank. One rank needs no tag."""
+    if tp_size == 1:
+        return block_key
+    if tp_replicas == 1:
+        return page_key(block_key, f"tp{tp_rank}/{tp_size}")
+    shards = tp_size // tp_replicas
+    return page_key(block_key, f"tp-shard{tp_rank // tp_replicas}/{shards}/{tp_size}")
+
+
 def page_key(block_key: bytes, group: str) -> bytes:
     """The store key of one group's page (or checkpoint) for the prefix a block key names."""
     return hashlib.blake2b(_framed(block_key, group.encode()), digest_size=KEY_BYTES,

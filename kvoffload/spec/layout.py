@@ -68,6 +68,9 @@ class CacheGroup:
     regions: tuple[Region, ...]
     tokens_per_state: int = 1  # tokens pooled into one stored row (index_kpool for the DSA indexer)
     spec_type: str = ""  # the engine's spec class, for messages and `inspect`
+    # Consecutive tensor-parallel ranks holding identical bytes of this group (1: every rank its own
+    # shard, e.g. KDA heads; tp_size: replicated on all, e.g. the MLA latent). See `spec.keys.shard_key`.
+    tp_replicas: int = 1
 
     @property
     def cacheable(self) -> bool:
@@ -110,6 +113,9 @@ class CacheLayout:
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
         for group in self.groups:
+            if group.tp_replicas < 1 or self.tp_size % group.tp_replicas:
+                raise ValueError(f"group {group.name}: tp_replicas {group.tp_replicas} does not divide "
+                                 f"tp_size {self.tp_size}")
             for region in group.regions:
                 if region.used_bytes > region.page_bytes:
                     raise ValueError(f"group {group.name}: used bytes {region.used_bytes} exceed the page "
@@ -139,16 +145,16 @@ class CacheLayout:
             "block_size": self.block_size,
             "hash_block_size": self.hash_block_size,
             "index_kpool": self.index_kpool,
-            "tp_rank": self.tp_rank,
-            "tp_size": self.tp_size,
+            "tp_size": self.tp_size,  # not the rank: keys name a rank's own shards (`shard_key`)
             "groups": [g.geometry() for g in self.groups],
             "extra": [list(kv) for kv in self.extra],
         }
 
     @property
     def fingerprint(self) -> bytes:
-        """16 bytes naming what a stored page means; any change in geometry, dtype, model, TP rank
-        or kpool gives another fingerprint, so pages of one layout are never served to another."""
+        """16 bytes naming what a stored page means; any change in geometry, dtype, model, TP size
+        or kpool gives another fingerprint, so pages of one layout are never served to another. Every
+        rank of a TP group has the same one (a replicated page written by one rank is read by all)."""
         canonical = json.dumps(self.fingerprint_fields(), sort_keys=True, separators=(",", ":"))
         return hashlib.blake2b(canonical.encode(), digest_size=16, person=b"kvoffload-layout").digest()
 
@@ -164,7 +170,7 @@ class CacheLayout:
             "num_blocks": self.num_blocks,
             "tp": [self.tp_rank, self.tp_size],
             "stored_bytes_per_block": self.stored_bytes_per_block(),
-            "groups": [{**g.geometry(), "spec_type": g.spec_type,
+            "groups": [{**g.geometry(), "spec_type": g.spec_type, "tp_replicas": g.tp_replicas,
                         "used_bytes_per_block": g.used_bytes_per_block,
                         "regions": [asdict(r) for r in g.regions]} for g in self.groups],
         }

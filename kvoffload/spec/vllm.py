@@ -6,6 +6,10 @@ they changed between vLLM versions, so nothing here hard-codes them). Spec class
   MambaSpec (KDA, GDN, Mamba in align/all mode)                                  -> STATE
   FullAttentionSpec, MLAAttentionSpec (latent, or DSA indexer with tokens_per_state) -> PAGED
 Anything else is refused by name: guessing a layout is how pages end up in the wrong place.
+Under tensor parallelism a group whose specs say its bytes are the same on several ranks
+(`AttentionSpec.max_tp_shards`: ranks beyond it hold replicas, as MLA latents and indexer rows do;
+`MambaSpec.tp_replicated`) is stored once per set of replicas (`CacheGroup.tp_replicas`), when the
+store is shared by the ranks' processes.
 
 One derivation, two views: `scheduler_view` (kinds, block size, hit alignment: what the scheduler
 plans with; it has no byte placement) and `from_vllm` (the worker's full byte layout) take the group
@@ -15,6 +19,7 @@ start-up) refuses a worker layout that disagrees with the scheduler's view.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .layout import CacheGroup, CacheLayout, GroupKind, Region, lcm
@@ -112,6 +117,24 @@ def _hit_alignment(kv_cache_config, block_size: int, index_kpool: int) -> int:
     return lcm(kv_cache_config.cache_hit_alignment_tokens or block_size, block_size, index_kpool)
 
 
+def _spec_replicas(spec, tp_size: int, dcp_size: int) -> int:
+    """Consecutive TP ranks holding the same bytes of a layer, from what the spec declares."""
+    if getattr(spec, "tp_replicated", False) is True:
+        return tp_size
+    shards = getattr(spec, "max_tp_shards", None)
+    if not isinstance(shards, int) or shards <= 0 or (getattr(spec, "dcp_sharded", False) and dcp_size > 1):
+        return 1  # unknown, or each rank holds other tokens (decode context parallelism)
+    return max(1, tp_size // shards)
+
+
+def _group_replicas(specs, tp_size: int, dcp_size: int, share: bool) -> int:
+    """Replicas of a whole group (every layer's bytes the same on them); 1 when not `share`d (the
+    store is private to each rank's process, e.g. memory://)."""
+    if not share:
+        return 1
+    return math.gcd(tp_size, *(_spec_replicas(spec, tp_size, dcp_size) for spec in specs))
+
+
 @dataclass(frozen=True)
 class KindsGroup:
     """A cache group without byte placement: what the scheduler side plans with."""
@@ -119,6 +142,7 @@ class KindsGroup:
     index: int
     kind: GroupKind
     name: str
+    tp_replicas: int = 1
 
 
 @dataclass(frozen=True)
@@ -130,21 +154,27 @@ class KindsLayout:
     hit_alignment: int
     kinds: tuple[GroupKind, ...]  # every group, SKIP included (keys and save jobs index groups by position)
     cacheable_groups: tuple[KindsGroup, ...]
+    tp_size: int = 1  # the scheduler plans for every rank: a hit needs each rank's pages
 
     @classmethod
     def of(cls, layout: CacheLayout) -> KindsLayout:
         """The same view of a worker's full layout."""
         return cls(layout.block_size, layout.hit_alignment, tuple(g.kind for g in layout.groups),
-                   tuple(KindsGroup(g.index, g.kind, g.name) for g in layout.cacheable_groups))
+                   tuple(KindsGroup(g.index, g.kind, g.name, g.tp_replicas) for g in layout.cacheable_groups),
+                   layout.tp_size)
 
 
-def scheduler_view(kv_cache_config, block_size: int) -> KindsLayout:
-    """The scheduler's view: group kinds, `block_size` (the key chain's block), the hit alignment.
-    The same from the scheduler's copy of the config as from a worker's (see `_scheduler_specs`)."""
+def scheduler_view(kv_cache_config, block_size: int, *, tp_size: int = 1, dcp_size: int = 1,
+                   share_replicas: bool = True) -> KindsLayout:
+    """The scheduler's view: group kinds, `block_size` (the key chain's block), the hit alignment,
+    which groups TP ranks share. The same from the scheduler's copy of the config as from a worker's
+    (see `_scheduler_specs`)."""
     kinds = group_kinds(kv_cache_config)  # raises UnsupportedLayoutError for unknown specs
-    kpool = _index_kpool(kinds, [_scheduler_specs(g) for g in kv_cache_config.kv_cache_groups])
-    return KindsLayout(block_size, _hit_alignment(kv_cache_config, block_size, kpool), tuple(kinds),
-                       tuple(KindsGroup(i, k, group_name(i, k)) for i, k in enumerate(kinds) if k is not GroupKind.SKIP))
+    specs = [_scheduler_specs(g) for g in kv_cache_config.kv_cache_groups]
+    kpool = _index_kpool(kinds, specs)
+    groups = tuple(KindsGroup(i, k, group_name(i, k), _group_replicas(specs[i], tp_size, dcp_size, share_replicas))
+                   for i, k in enumerate(kinds) if k is not GroupKind.SKIP)
+    return KindsLayout(block_size, _hit_alignment(kv_cache_config, block_size, kpool), tuple(kinds), groups, tp_size)
 
 
 def check_agreement(view: KindsLayout, layout: CacheLayout) -> None:
@@ -153,7 +183,7 @@ def check_agreement(view: KindsLayout, layout: CacheLayout) -> None:
     differently."""
     worker = KindsLayout.of(layout)
     diffs = [f"{name}: scheduler {getattr(view, name)!r}, worker {getattr(worker, name)!r}"
-             for name in ("block_size", "hit_alignment", "kinds", "cacheable_groups")
+             for name in ("block_size", "hit_alignment", "kinds", "cacheable_groups", "tp_size")
              if getattr(view, name) != getattr(worker, name)]
     if diffs:
         raise UnsupportedLayoutError("the scheduler's and the worker's views of the KV cache disagree; "
@@ -187,8 +217,8 @@ def _regions(layer_names, specs_by_layer, tensor_of) -> tuple[Region, ...]:
     return tuple(regions)
 
 
-def from_vllm(kv_cache_config, *, model_id: str = "", tp_rank: int = 0, tp_size: int = 1,
-              extra: dict[str, str] | None = None) -> CacheLayout:
+def from_vllm(kv_cache_config, *, model_id: str = "", tp_rank: int = 0, tp_size: int = 1, dcp_size: int = 1,
+              share_replicas: bool = True, extra: dict[str, str] | None = None) -> CacheLayout:
     """The layout of a worker's KV cache as vLLM planned it. Pass the WORKER's config (the scheduler's
     copy replaces uniform-type wrappers by one layer's spec and loses per-layer page sizes)."""
     tensors = list(kv_cache_config.kv_cache_tensors)
@@ -212,7 +242,8 @@ def from_vllm(kv_cache_config, *, model_id: str = "", tp_rank: int = 0, tp_size:
             index=index, name=group_name(index, kind),
             kind=kind, block_size=int(group_spec.block_size),
             regions=_regions(group.layer_names, per_layer, tensor_of),
-            tokens_per_state=tokens_per_state, spec_type="/".join(spec_types)))
+            tokens_per_state=tokens_per_state, spec_type="/".join(spec_types),
+            tp_replicas=_group_replicas(per_layer.values(), tp_size, dcp_size, share_replicas)))
 
     cacheable = [g for g in groups if g.cacheable]
     if not cacheable:

@@ -84,8 +84,8 @@ class _Worker:
             if self._saving[req_id] <= 0:
                 del self._saving[req_id]
             self._report.done_jobs[job_id] = self._report.done_jobs.get(job_id, 0) + 1
-            for page in result.written:
-                self._report.added[page.key] = page.group.used_bytes_per_block
+            for written in result.written:
+                self._report.added[written.key] = written.group.used_bytes_per_block
         sent = {req_id for req_id in self._awaited if req_id not in self._saving}
         self._awaited -= sent
         return KVConnectorTransferResults(finished_sending=sent, finished_recving=done, failed_recving=failed)

@@ -31,14 +31,20 @@ def test_store_benchmark_json(tmp_path):
 
 def test_footprint_benchmark_json(tmp_path):
     result = _bench("footprint", tmp_path)
-    rows = {(r["preset"], r["tp"]): r for r in result["results"]}
-    assert ("pruned-4l", 8) in rows and ("tiny", 1) in rows
+    rows = {(r["preset"], r["tp"], r["block_source"]): r for r in result["results"]}
+    assert ("pruned-4l", 8, "vllm") in rows and ("tiny", 1, "runner") in rows
     for row in rows.values():
         assert row["our_amplification"] == 1.0 and row["tail_ring_bytes_per_token"] == 0.0
         assert abs(sum(row["by_group"].values()) - row["stored_bytes_per_token_per_rank"]) < 1e-6
         assert row["amplification_of_whole_block_scheme"] > 1.0
-    assert rows[("pruned-4l", 4)]["stored_bytes_per_token_per_rank"] < rows[("pruned-4l", 1)][
+        assert row["replicated_groups"] == (["mla"] if row["tp"] > 1 else [])
+        mla = row["by_group"]["mla"]  # stored once per TP group instead of once per rank
+        assert row["per_tp_group_bytes_per_token_after"] == pytest.approx(
+            row["per_tp_group_bytes_per_token_before"] - (row["tp"] - 1) * mla)
+    assert rows[("pruned-4l", 4, "runner")]["stored_bytes_per_token_per_rank"] < rows[("pruned-4l", 1, "runner")][
         "stored_bytes_per_token_per_rank"]  # KDA heads shard across ranks
+    # vLLM's block for GLM-5.3-Flash's pruned geometry (same KDA and MLA widths as the full model).
+    assert [rows[("pruned-4l", tp, "vllm")]["block_size"] for tp in (1, 2, 4)] == [4352, 2176, 1152]
 
 
 def test_ttft_benchmark_json(tmp_path):

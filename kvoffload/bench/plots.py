@@ -33,12 +33,12 @@ def _store(ax, result):
 
 
 def _footprint(ax, result):
-    rows = result["results"]
-    _bars(ax, [f"{r['preset']} TP{r['tp']}" for r in rows],
-          {"kvoffload (used bytes of cacheable groups)": [r["stored_bytes_per_token_per_rank"] for r in rows],
-           "whole packed block per group key": [r["whole_packed_block_per_group_key_bytes_per_token"] for r in rows]})
+    rows = [r for r in result["results"] if r.get("block_source", "vllm") == "vllm"]
+    _bars(ax, [f"{r['preset']} TP{r['tp']}\nblock {r['block_size']}" for r in rows],
+          {"every rank stores everything": [r["per_tp_group_bytes_per_token_before"] for r in rows],
+           "replicated groups once per TP group": [r["per_tp_group_bytes_per_token_after"] for r in rows]})
     ax.set_yscale("log")
-    ax.set(ylabel="bytes stored per token per rank", title="Footprint per cached token")
+    ax.set(ylabel="bytes stored per token per TP group", title="Footprint per cached token at vLLM's block size")
 
 
 def _ttft(ax, result):

@@ -292,12 +292,17 @@ def test_url_options(tmp_path):
                              ("&behind_bytes=0", "behind_bytes must be positive"),
                              ("&behind_bytes=lots", "invalid behind_bytes"),
                              ("&write=through&behind_age=5", "apply to write=behind only"),
+                             ("&admit=0", "admit= takes a number of uses"),
+                             ("&admit=two", "admit= takes a number of uses"),
+                             ("&write=through&admit=2", "admit= above 1 needs write=behind"),
                              ("&behind_ages=5", "unknown option")]:
         with pytest.raises(StoreConfigError, match=message):
             open_store(base + options)
     assert not os.path.exists(tmp_path / "db")  # refused before anything was opened
     with open_store(base + "&behind_bytes=1MiB&behind_age=2.5") as store:
         assert (store.write, store.behind_bytes, store.behind_age) == ("behind", 1 << 20, 2.5)
+    with open_store(base + "&admit=3") as store:
+        assert store.admit == 3
     with open_store(base + "&write=through") as store:
         assert store.put(b"k", b"durable now")
         assert store.back.get(b"k") == b"durable now"  # on disk when put returned
@@ -394,3 +399,30 @@ def test_a_cold_prefix_is_read_by_several_readers_into_memory_slots(tmp_path):
         finally:
             store.release(leases)
         assert store._readers is not None  # the reads went through the reader pool
+
+
+def test_admission_writes_a_value_behind_only_on_its_nth_use(gated):
+    """admit=3: a put is the first use, a read served from memory or a put again the next; a value goes to
+    disk on its third use, and one used fewer times stays in memory only (counted, never lost from it)."""
+    store, back = gated(admit=3)
+    items = {k: value_of(k) for k in (b"once", b"twice", b"thrice", b"recomputed")}
+    assert all(store.put_many(list(items.items())))
+    assert store.get(b"twice") == items[b"twice"]
+    for _ in range(2):
+        assert store.get(b"thrice") == items[b"thrice"]
+    store.release(store.acquire([b"thrice"]))  # past admission: nothing more to count or write
+    assert store.put(b"recomputed", items[b"recomputed"])
+    lease = store.acquire([b"recomputed"])  # a load: the third use
+    assert store.flush(WAIT)
+    assert back.written() == [b"thrice", b"recomputed"]  # exactly once each
+    store.release(lease)
+    assert [back.inner.get(k) for k in (b"thrice", b"recomputed")] == [items[b"thrice"], items[b"recomputed"]]
+    stats = store.stats()
+    assert stats["behind_not_admitted"] == 5 and stats["behind_admitted"] == 2  # puts waiting; admitted
+    assert stats["admission_waiting"] == 2 and stats["behind_written"] == 2
+    assert [store.get(k) for k in items] == list(items.values())  # the rest: memory only, still served
+    assert store.flush(WAIT)  # ... and that read was "twice"'s third use
+    assert back.written() == [b"thrice", b"recomputed", b"twice"]
+    plain, plain_back = gated()
+    assert all(plain.put_many(list(items.items()))) and plain.flush(WAIT)
+    assert sorted(plain_back.written()) == sorted(items)  # admit=1 (default): everything goes behind

@@ -60,7 +60,7 @@ def open_store(url: str, *, fingerprint: bytes | str | None = None) -> Store:
         return RedisStore(url, fingerprint=fingerprint)
     if parsed.scheme == "tiered":
         return _tiered(url, parsed.take({"memory", "lmdb", "lmdb_capacity", "pinned", "reserve", "redis", "write",
-                                         "behind_bytes", "behind_age"}), fingerprint)
+                                         "behind_bytes", "behind_age", "admit"}), fingerprint)
     raise StoreConfigError(f"unknown store scheme {parsed.scheme!r} in {redact_url(url)!r}: use memory://, lmdb://, "
                            "redis:// (rediss://, redis+cluster://) or tiered://")
 
@@ -89,6 +89,12 @@ def _tiered(url: str, opts: dict[str, str], fingerprint) -> Store:
         if not 0 < behind["behind_age"] < float("inf"):
             raise StoreConfigError(f"tiered:// behind_age= takes a positive number of seconds, got "
                                    f"{opts['behind_age'][:40]!r}")
+    if "admit" in opts:
+        if not opts["admit"].isdigit() or not 1 <= int(opts["admit"]) <= 1000:
+            raise StoreConfigError(f"tiered:// admit= takes a number of uses from 1 to 1000, got {opts['admit'][:40]!r}")
+        if write == "through" and int(opts["admit"]) > 1:
+            raise StoreConfigError(f"tiered:// admit= above 1 needs write=behind: {redact_url(url)!r}")
+        behind["admit"] = int(opts["admit"])
     if "redis" in opts and parse_url(opts["redis"]).scheme not in REDIS_SCHEMES:
         raise StoreConfigError("tiered:// redis= takes a redis://, rediss:// or redis+cluster:// URL: "
                                f"{redact_url(url)!r}")

@@ -22,6 +22,12 @@ Values larger than the memory tier, and `delete`, go to the back synchronously, 
 batch if that is committing the key: a queued or in-flight value can neither overwrite nor resurrect them.
 `write="through"`: every put is in the back (durable) when it returns, then in the front.
 
+Admission (`admit=N`, write-behind only; default 1: every value goes behind): a value goes below memory
+only on its N-th use, where its put is the first use and every read served from memory (a hit on a
+prefix) or put again (a recompute) is another; until then it lives in memory only and is counted
+(`behind_not_admitted`). One-off prompts then never cost disk bandwidth nor evict reused prefixes
+from the disk tier. At most ADMIT_TRACKED keys wait for admission (the oldest are forgotten).
+
 Reads (`read_many`, `acquire`): the front; then the writer's private copies (a copying front may have
 evicted what it leased); then the back, each hit copied into a front slot inside the back's consume
 callback (`front.write_many`, no intermediate copy) and served as such -- `acquire` leases the front
@@ -58,6 +64,7 @@ DEFAULT_BEHIND_AGE = 30.0  # seconds an entry may wait for the disk
 MAX_DEFAULT_BEHIND_BYTES = 2 << 30
 CLOSE_FLUSH_SECONDS = 60.0  # close() waits this long for the queue to drain
 WRITE_MODES = ("behind", "through")
+ADMIT_TRACKED = 1 << 20  # keys remembered while they wait for admission (admit > 1)
 READERS = 4  # threads reading the back for one acquire (a cold prefix): faults on several pages at once
 
 
@@ -86,14 +93,19 @@ class _Pending:
 
 class TieredStore(Store):
     COUNTERS = Store.COUNTERS + ("memory_hits", "disk_hits", "promotions", "behind_written", "behind_written_bytes",
-                                 "behind_dropped", "behind_dropped_bytes", "behind_failed")
+                                 "behind_dropped", "behind_dropped_bytes", "behind_failed", "behind_not_admitted",
+                                 "behind_admitted")
 
     def __init__(self, front: Store, back: Store, url: str | None = None, *, write: str = "behind",
                  behind_bytes: int | None = None, behind_age: float = DEFAULT_BEHIND_AGE,
-                 on_durable: Callable[[list[bytes]], None] | None = None):
+                 on_durable: Callable[[list[bytes]], None] | None = None, admit: int = 1):
         super().__init__()
         if write not in WRITE_MODES:
             raise ValueError(f"write must be one of {', '.join(WRITE_MODES)}, got {write!r}")
+        if admit < 1 or (admit > 1 and write != "behind"):
+            raise ValueError(f"admit must be a positive number of uses, and above 1 needs write=behind, got {admit}")
+        self.admit = admit
+        self._uses: OrderedDict[bytes, int] = OrderedDict()  # key -> uses so far, while waiting for admission
         self.front, self.back, self.write = front, back, write
         self.capacity = back.capacity
         self.url = url or f"tiered://({front.url} | {back.url})"
@@ -144,7 +156,7 @@ class TieredStore(Store):
             large = [i for i, (_, v) in enumerate(views) if not self._fits_front(v.nbytes)]
             for i, ok in zip(small, self.front.put_many([views[i] for i in small]) if small else []):
                 stored[i] = ok
-            self._queue_behind([views[i][0] for i in small if stored[i]])
+            self._queue_behind(self._admitted([views[i][0] for i in small if stored[i]], put=True))
             for i, ok in zip(large, self._write_now([views[i] for i in large]) if large else []):
                 stored[i] = ok
         self._count_puts(stored, [v.nbytes for _, v in views])
@@ -164,7 +176,7 @@ class TieredStore(Store):
         if reservation.handle is None:  # private buffers: put_many counts and queues them
             return super().publish(reservation, filled)
         stored = self.front.publish(reservation.handle, filled)
-        self._queue_behind([key for (key, _), ok in zip(reservation.items, stored) if ok])
+        self._queue_behind(self._admitted([key for (key, _), ok in zip(reservation.items, stored) if ok], put=True))
         self._count_puts(stored, [n for _, n in reservation.items])
         return stored
 
@@ -188,6 +200,27 @@ class TieredStore(Store):
         stale = [p for p in map(self._unqueue, keys) if p is not None]
         self._changed.wait_for(lambda: not any(key in self._inflight for key in keys))
         return stale
+
+    def _admitted(self, keys: Sequence[bytes], *, put: bool) -> list[bytes]:
+        """The keys whose use now is their `admit`-th (see the module docstring): those go behind. A put
+        starts counting a key; a read counts only keys already waiting."""
+        if self.admit == 1 or not keys:
+            return list(keys) if put else []
+        ready, waiting = [], 0
+        with self._lock:
+            for key in keys:
+                uses = self._uses.pop(key, 0)
+                if not put and not uses:
+                    continue  # admitted before, or never put here
+                if uses + 1 >= self.admit:
+                    ready.append(key)
+                    continue
+                self._uses[key] = uses + 1
+                waiting += put
+                while len(self._uses) > ADMIT_TRACKED:
+                    self._uses.popitem(last=False)
+        self._count(behind_not_admitted=waiting, behind_admitted=len(ready))
+        return ready
 
     def _queue_behind(self, keys: Sequence[bytes]) -> None:
         """Lease what the front now holds of `keys` and queue it for the writer."""
@@ -345,6 +378,8 @@ class TieredStore(Store):
             nbytes += view.nbytes
 
         served = self.front.read_many(keys, counted)
+        if self.admit > 1:
+            self._queue_behind(self._admitted([key for key, ok in zip(keys, served) if ok], put=False))
         missing = [i for i, ok in enumerate(served) if not ok]
         if missing and (self._queue or self._inflight):
             for i, view in self._private(keys, missing).items():
@@ -367,6 +402,9 @@ class TieredStore(Store):
 
     def acquire(self, keys: Sequence[bytes], *, touch: bool = True) -> list[Lease | None]:
         leases = self.front.acquire(keys, touch=touch)
+        if self.admit > 1 and touch:
+            self._queue_behind(self._admitted([key for key, lease in zip(keys, leases) if lease is not None],
+                                              put=False))
         missing = [i for i, lease in enumerate(leases) if lease is None]
         if missing and (self._queue or self._inflight):
             for i, view in self._private(keys, missing).items():
@@ -447,6 +485,7 @@ class TieredStore(Store):
         with self._lock:
             usage["behind_queued"] = len(self._queue) + len(self._inflight)
             usage["behind_queued_bytes"] = self._held
+            usage["admission_waiting"] = len(self._uses)
         return usage
 
     def close(self) -> None:

@@ -18,7 +18,7 @@ INPUT_ERRORS = (StoreConfigError, ModelConfigError, FileNotFoundError, IsADirect
 
 BENCHMARKS = {"store": "store", "footprint": "footprint", "ttft": "ttft", "transfer": "transfer",
               "vllm-ttft": "vllm_ttft", "overhead": "overhead", "redis": "redis_tier", "faults": "faults",
-              "datapath": "datapath", "stall": "stall"}  # name -> kvoffload.bench module
+              "datapath": "datapath", "stall": "stall", "trace": "trace"}  # name -> kvoffload.bench module
 
 
 def _refuse(exc: Exception) -> int:

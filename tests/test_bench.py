@@ -142,3 +142,21 @@ def test_stall_benchmark_json(tmp_path):
     assert result["results"]["none"]["load"]["long_cached_tokens"] == 0  # recomputed: no connector
     for name in ("kvoffload_lmdb", "kvoffload_tiered"):
         assert result["results"][name]["load"]["long_cached_tokens"] == result["workload"]["long_prefix_tokens"]
+
+
+def test_trace_benchmark_json(tmp_path):
+    result = _bench("trace", tmp_path)
+    rows = {r["policy"]: r for r in result["results"]}
+    assert result["requests"] == sum(result["by_kind"].values()) > 0
+    assert rows["no offload"]["hit_tokens"] == 0 and rows["no offload"]["ttft_saved_s_total"] == 0
+    assert rows["memory only, LRU"]["disk_written_bytes"] == 0
+    everything = [r for name, r in rows.items() if name.endswith("store everything")]
+    admitted = [r for r in rows.values() if r["admit"] and r["admit"] > 1 and r["disk_capacity"]]
+    assert everything and admitted
+    for row in everything + admitted + [rows["memory only, LRU"]]:
+        assert 0 < row["hit_tokens"] < row["prompt_tokens"] and row["ttft_saved_s_total"] > 0
+        assert row["memory_read_bytes"] + row["disk_read_bytes"] > 0
+    for row in everything:  # every computed page goes behind, unless the write-behind bound dropped it
+        assert row["disk_written_bytes"] + row["disk_dropped_bytes"] == row["memory_written_bytes"]
+    for row in admitted:  # admission writes only what was used again
+        assert 0 < row["disk_written_bytes"] < everything[0]["disk_written_bytes"]

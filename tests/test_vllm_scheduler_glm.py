@@ -493,6 +493,8 @@ def test_startup_errors_are_clear(tmp_path):
         _connector(tmp_path, load_failure_policy="sometimes")
     with pytest.raises(ValueError, match="must be absolute"):
         _connector(tmp_path, store="lmdb://relative/dir")
+    with pytest.raises(ValueError, match="admit= above 1 is not supported under vLLM"):
+        _connector(tmp_path, store=f"tiered://?memory=64MiB&lmdb={tmp_path}/db&lmdb_capacity=64MiB&admit=2")
 
 
 def test_unsupported_spec_is_named_at_startup(tmp_path, monkeypatch):

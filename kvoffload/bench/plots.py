@@ -127,9 +127,18 @@ def _stall(ax, result):
     ax.set(ylabel="ms per engine step", title="Decode steps while another request's long prefix is saved / loaded")
 
 
+def _trace(ax, result):
+    rows = result["results"]
+    labels = [r["policy"].replace(" (", "\n(") for r in rows]
+    _bars(ax, labels, {"token hit rate (%)": [100 * r["hit_rate_tokens"] for r in rows],
+                       "disk written (% of store-everything)": [
+                           100 * r["disk_written_bytes"] / max(rows[1]["disk_written_bytes"], 1) for r in rows]})
+    ax.set(ylabel="%", title=f"Policies on a trace of {result['requests']} requests (block {result['block_size']})")
+
+
 DRAW = {"store": _store, "footprint": _footprint, "ttft": _ttft, "vllm-ttft": _vllm_ttft, "overhead": _overhead,
         "transfer": _transfer, "redis": _redis, "faults": _faults,
-        "datapath": _datapath, "stall": _stall}
+        "datapath": _datapath, "stall": _stall, "trace": _trace}
 
 
 def plot(result: dict, json_path: str) -> str:

@@ -95,7 +95,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         # A cache miss must not fail a request: vLLM reads this policy right after creating the connector.
         self._kv_transfer_config.kv_load_failure_policy = policy
         self.store_url = extra.get("store") or _default_store()
-        parse_url(self.store_url)  # a bad URL fails at start-up, in both roles
+        parsed = parse_url(self.store_url)  # a bad URL fails at start-up, in both roles
+        if parsed.scheme == "tiered" and parsed.options.get("admit", "1") != "1":
+            raise ValueError("KVOffloadConnector: tiered:// admit= above 1 is not supported under vLLM yet: its "
+                             "scheduler sees the disk tier only, so a page waiting in memory for admission would "
+                             "never be hit, hence never admitted; leave admit at 1")
         parallel = vllm_config.parallel_config
         self.tp_rank, self.tp_size = getattr(parallel, "rank", 0) % max(parallel.tensor_parallel_size, 1), \
             parallel.tensor_parallel_size

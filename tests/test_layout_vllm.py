@@ -216,3 +216,115 @@ def test_disagreeing_views_are_refused(glm_config, glm):
         check_agreement(replace(view, block_size=192), glm)
     with pytest.raises(UnsupportedLayoutError, match="cacheable_groups"):
         check_agreement(replace(view, cacheable_groups=view.cacheable_groups[1:]), glm)
+
+
+# ---------------------------------------------------------------- byte layout in keys and fingerprint
+
+def _conv_layout_config(monkeypatch, layout: str):
+    """The Qwen3-Next-like config under vLLM's conv-state layout `layout` (VLLM_SSM_CONV_STATE_LAYOUT)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", layout)
+    get_conv_state_layout.cache_clear()
+    try:
+        return vllm_layouts.qwen3_next_like_config()
+    finally:
+        get_conv_state_layout.cache_clear()
+
+
+def _context(config):
+    from kvoffload.spec.vllm import key_context, scheduler_view
+
+    return key_context(scheduler_view(config, config.hash_block_size), config, model_id="m",
+                       model_dtype="bfloat16", cache_dtype="auto")
+
+
+def test_conv_state_layout_is_in_keys_and_fingerprint(monkeypatch):
+    """SD and DS conv states fill pages of the same size with transposed bytes: same placement, other
+    keys, other fingerprint, and a worker of one refuses the scheduler view of the other."""
+    from kvoffload.spec.vllm import check_agreement, scheduler_view
+
+    sd, ds = _conv_layout_config(monkeypatch, "SD"), _conv_layout_config(monkeypatch, "DS")
+    sd_layout, ds_layout = from_vllm(sd, model_id="m"), from_vllm(ds, model_id="m")
+    state = next(g for g in sd_layout.groups if g.kind is GroupKind.STATE)
+    assert "shapes=((3,1024)," in state.content
+    assert "shapes=((1024,3)," in next(g for g in ds_layout.groups if g.kind is GroupKind.STATE).content
+    assert [g.used_bytes_per_block for g in sd_layout.groups] == [g.used_bytes_per_block for g in ds_layout.groups]
+    assert [(r.offset, r.page_bytes) for g in sd_layout.groups for r in g.regions] == \
+        [(r.offset, r.page_bytes) for g in ds_layout.groups for r in g.regions]
+    assert sd_layout.fingerprint != ds_layout.fingerprint
+    assert _context(sd) != _context(ds)
+    assert _context(sd) == _context(_conv_layout_config(monkeypatch, "SD"))  # deterministic
+    with pytest.raises(UnsupportedLayoutError, match="contents: scheduler"):
+        check_agreement(scheduler_view(sd, sd.hash_block_size), ds_layout)
+
+
+def test_attention_cache_layout_is_in_keys_and_fingerprint():
+    """The same attention pages in another in-page order (LBHNC: heads outer; LBNHC: tokens outer): the
+    resolved layout changes the keys and the fingerprint, and so do the dim orders of the tensors a
+    worker really gets, even where the config does not say."""
+    from vllm.v1.kv_cache_interface import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    hnc, nhc = vllm_layouts.llama_config(), vllm_layouts.llama_config()
+    hnc.kv_cache_layout, nhc.kv_cache_layout = "LBHNC", "LBNHC"
+    assert "order=HNC" in from_vllm(hnc).groups[0].content and "order=NHC" in from_vllm(nhc).groups[0].content
+    assert from_vllm(hnc).fingerprint != from_vllm(nhc).fingerprint
+    assert _context(hnc) != _context(nhc)
+    tensors = {name: allocate_kv_cache(hnc, torch.device("cpu"), KVCacheLayout[name]) for name in ("LBHNC", "LBNHC")}
+    seen = {name: from_vllm(hnc, kv_caches=t) for name, t in tensors.items()}
+    assert seen["LBHNC"].groups[0].regions[0].content.endswith("tensors=float32(2,16,128):0123")
+    assert seen["LBNHC"].groups[0].regions[0].content.endswith("tensors=float32(2,16,128):0213")
+    assert seen["LBHNC"].fingerprint != seen["LBNHC"].fingerprint
+    again = allocate_kv_cache(vllm_layouts.llama_config(num_blocks=48), torch.device("cpu"), KVCacheLayout.LBHNC)
+    assert from_vllm(hnc, kv_caches=again).fingerprint == seen["LBHNC"].fingerprint  # pool size is not identity
+
+
+@pytest.mark.parametrize("builder", ["glm53_flash_like_config", "qwen3_next_like_config", "llama_config"])
+def test_key_context_is_the_same_in_scheduler_and_worker(builder):
+    """The scheduler derives the key context from its copy of the config (uniform-type wrappers replaced
+    by one layer's spec); every worker from its own: the keys must be the same."""
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+
+    config = getattr(vllm_layouts, builder)()
+    assert _context(generate_scheduler_kv_cache_config([config])) == _context(config)
+
+
+# ---------------------------------------------------------------- spec spellings of other vLLM builds
+
+def test_prefix_caching_flag_spelled_participates(monkeypatch, glm_config):
+    """Builds that spell the flag `participates_in_prefix_caching` (no `prefix_cacheable` at all): the
+    same kinds; a spec that declares itself out by that spelling is skipped; unknown specs still fail."""
+    import vllm.v1.kv_cache_interface as kvi
+
+    expected = [g.kind for g in from_vllm(glm_config).groups]
+    qwen = vllm_layouts.qwen3_next_like_config()
+    for cls in [c for c in vars(kvi).values() if isinstance(c, type) and "prefix_cacheable" in c.__dict__]:
+        monkeypatch.setattr(cls, "participates_in_prefix_caching", cls.__dict__["prefix_cacheable"], raising=False)
+        monkeypatch.delattr(cls, "prefix_cacheable")
+    tail = glm_config.kv_cache_groups[-1].kv_cache_spec.kv_cache_specs
+    assert not any(hasattr(spec, "prefix_cacheable") for spec in tail.values())
+    assert [g.kind for g in from_vllm(glm_config).groups] == expected
+    monkeypatch.setattr(kvi.MambaSpec, "participates_in_prefix_caching", property(lambda self: False), raising=False)
+    assert [g.kind for g in from_vllm(qwen).groups] == [GroupKind.SKIP] * 3 + [GroupKind.PAGED]
+    test_unknown_spec_type_is_named(glm_config)  # an unknown cacheable spec is still refused by name
+
+
+def test_tail_spec_spelled_kpool_tail(glm_config):
+    """Builds that name the kpool tail ring's spec `KpoolTailSpec`: skipped like CircularBufferSpec
+    (here without even declaring itself non-cacheable)."""
+    from dataclasses import dataclass, fields
+
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    @dataclass(frozen=True, kw_only=True)
+    class KpoolTailSpec(AttentionSpec):
+        pass
+
+    config = vllm_layouts.glm53_flash_like_config()
+    wrapper = config.kv_cache_groups[-1].kv_cache_spec
+    for name, ring in list(wrapper.kv_cache_specs.items()):
+        wrapper.kv_cache_specs[name] = KpoolTailSpec(**{f.name: getattr(ring, f.name) for f in fields(AttentionSpec)})
+    layout = from_vllm(config)
+    assert layout.groups[-1].kind is GroupKind.SKIP and layout.groups[-1].spec_type == "KpoolTailSpec"
+    assert [g.kind for g in layout.groups] == [g.kind for g in from_vllm(glm_config).groups]

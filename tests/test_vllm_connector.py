@@ -163,3 +163,18 @@ def test_shared_redis_tier_across_engine_processes(qwen_dir, redis_server):
     url = f"tiered://?memory=128MiB&redis=redis://{redis_server.address}/0"
     cold, warm = vh.run_restart(qwen_dir, connector(url), [[LONG]] * 2, dtype="bfloat16", block_size=BLOCK)
     _assert_served(cold, warm)
+
+
+def test_store_is_never_read_under_another_conv_state_layout(qwen_dir, tmp_path):
+    """vLLM's mamba conv-state layout (VLLM_SSM_CONV_STATE_LAYOUT: SD = (state_len, dim), DS = (dim,
+    state_len)) keeps every page size: a store written by an SD engine must give a DS engine no hits
+    (its recurrent state would be restored garbled), while the DS engine's own pages still hit."""
+    url = f"lmdb://{tmp_path}/store?capacity=64MiB"
+    (sd,) = vh.run_restart(qwen_dir, connector(url), [[LONG]], dtype="bfloat16", block_size=BLOCK,
+                           extra_env={"VLLM_SSM_CONV_STATE_LAYOUT": "SD"})
+    assert sd[0]["num_external_cached_tokens"] == 0
+    cold, warm = vh.run_generations(qwen_dir, connector(url), [[LONG]] * 2, dtype="bfloat16", block_size=BLOCK,
+                                    extra_env={"VLLM_SSM_CONV_STATE_LAYOUT": "DS"})
+    assert cold[0]["num_external_cached_tokens"] == 0, "pages written under SD served to a DS engine"
+    assert cold[0]["num_cached_tokens"] == 0
+    _assert_served(cold, warm)  # DS -> DS still hits, with the cold run's tokens

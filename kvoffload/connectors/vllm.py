@@ -15,8 +15,8 @@ how many tokens the connector will provide, and turns each step into load and sa
 blocks that became full this step, STATE checkpoints exactly where vLLM hands off an align-mode
 boundary state (its `boundary_state_offloads`), SKIP groups never.
 Worker side: views vLLM's backing allocation through the layout model (`from_vllm`; at
-`register_kv_caches` it must agree with the scheduler's view: block size, hit alignment, groups, or
-start-up fails) and moves pages with the same `Offloader` the bundled runner uses. Loads use vLLM's
+`register_kv_caches` it must agree with the scheduler's view: block size, hit alignment, groups, page
+contents, or start-up fails) and moves pages with the same `Offloader` the bundled runner uses. Loads use vLLM's
 asynchronous protocol (the request waits in WAITING_FOR_REMOTE_KVS while its pages are restored, then
 runs): vLLM copies align-mode recurrent states between blocks before a forward, so a state must be in
 place one step ahead; and a failed or corrupt load is reported as `failed_recving`, the one recompute
@@ -33,6 +33,8 @@ a save in flight count as present for lookups: the load that follows runs after 
 
 Keys are kvoffload's own chained block keys (never vLLM's block hashes: those depend on a per-process
 seed unless PYTHONHASHSEED is fixed), salted with the request's `cache_salt`, LoRA and multimodal ids.
+Their context names each group's page content (`spec.vllm.key_context`: state shapes and dtypes, the KV
+cache layout), so an engine never looks up pages written under another byte layout.
 Under tensor parallelism each rank stores its own shards (KDA heads) under its own keys, while groups
 every rank holds identically (MLA latent, indexer rows) are written once, by the first rank, under one
 key all ranks read (`spec.keys.shard_key`); the scheduler's hit needs every rank's pages.
@@ -53,7 +55,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ..spec import GroupKind, KeyChain
-from ..spec.vllm import UnsupportedLayoutError, scheduler_view
+from ..spec.vllm import UnsupportedLayoutError, key_context, scheduler_view
 from ..store import parse_url
 from .vllm_metrics import KVOffloadPromMetrics, KVOffloadStats
 from .vllm_scheduler import _Scheduler
@@ -109,19 +111,19 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         # unknown specs. Workers check their full byte layout against it in register_kv_caches.
         # Groups TP ranks hold identically (MLA latent, indexer) are stored once per TP group, unless
         # each rank's store is private to its process (memory://).
-        share = parse_url(self.store_url).scheme != "memory"
+        share = parsed.scheme != "memory"
         dcp_size = int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
         self.view = scheduler_view(kv_cache_config, self.block_size, tp_size=self.tp_size, dcp_size=dcp_size,
                                    share_replicas=share)
         self.kinds = list(self.view.kinds)
         if not any(kind is not GroupKind.SKIP for kind in self.kinds):
             raise UnsupportedLayoutError("KVOffloadConnector: no prefix-cacheable KV cache group")
-        # The key chain's context must be equal in the scheduler and every worker: derive it from what
-        # both see (model identity, dtypes, block size, group kinds and layers), not from byte offsets.
-        identity = repr((model_id, str(vllm_config.model_config.dtype), vllm_config.cache_config.cache_dtype,
-                         self.block_size, [(k.value, tuple(g.layer_names))
-                                           for k, g in zip(self.kinds, kv_cache_config.kv_cache_groups)]))
-        self.chain = KeyChain(identity.encode(), self.block_size, namespace=extra.get("namespace", "vllm"))
+        # The key chain's context is equal in the scheduler and every worker (what both see: model identity,
+        # dtypes, block size, group kinds, layers and page contents, never byte offsets).
+        context = key_context(self.view, kv_cache_config, model_id=model_id,
+                              model_dtype=str(vllm_config.model_config.dtype),
+                              cache_dtype=str(vllm_config.cache_config.cache_dtype))
+        self.chain = KeyChain(context, self.block_size, namespace=extra.get("namespace", "vllm"))
         self.connector_scheduler: _Scheduler | None = None
         self.connector_worker: _Worker | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -48,7 +48,8 @@ class _Worker:
         except Exception:  # noqa: BLE001 - not initialised (single process): keep the config's rank
             pass
         layout = from_vllm(self.kv_cache_config, model_id=self._model_id, tp_rank=self.tp_rank,
-                           tp_size=self.tp_size, dcp_size=self._dcp_size, share_replicas=self._share_replicas)
+                           tp_size=self.tp_size, dcp_size=self._dcp_size, share_replicas=self._share_replicas,
+                           kv_caches=kv_caches)  # the tensors' dim orders: fingerprint
         check_agreement(self.view, layout)  # UnsupportedLayoutError at start-up, never wrong pages later
         any_cache = next(iter(kv_caches.values()))
         any_cache = any_cache[0] if isinstance(any_cache, (list, tuple)) else any_cache

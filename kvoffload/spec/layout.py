@@ -40,6 +40,9 @@ class Region:
     used_bytes: int  # bytes of data per page (per layer, per block)
     page_bytes: int  # bytes allocated per page, padding included
     dtype: str  # element type of the page content, for the fingerprint and for humans
+    # What the page's bytes mean beyond their size (e.g. shapes, dtypes and dim order of its states, the
+    # worker tensors' dim order): two same-size layouts must not read each other's pages.
+    content: str = ""
 
     @property
     def num_layers(self) -> int:
@@ -56,7 +59,8 @@ class Region:
 
     def geometry(self) -> dict:
         """What the stored bytes depend on; offsets and strides do not (they change with num_blocks)."""
-        return {"layers": self.num_layers, "used_bytes": self.used_bytes, "dtype": self.dtype}
+        return {"layers": self.num_layers, "used_bytes": self.used_bytes, "dtype": self.dtype,
+                "content": self.content}
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,7 @@ class CacheGroup:
     regions: tuple[Region, ...]
     tokens_per_state: int = 1  # tokens pooled into one stored row (index_kpool for the DSA indexer)
     spec_type: str = ""  # the engine's spec class, for messages and `inspect`
+    content: str = ""  # the page meaning the scheduler also sees (it is in the key context); see Region.content
     # Consecutive tensor-parallel ranks holding identical bytes of this group (1: every rank its own
     # shard, e.g. KDA heads; tp_size: replicated on all, e.g. the MLA latent). See `spec.keys.shard_key`.
     tp_replicas: int = 1
@@ -87,7 +92,8 @@ class CacheGroup:
 
     def geometry(self) -> dict:
         return {"name": self.name, "kind": self.kind.value, "block_size": self.block_size,
-                "tokens_per_state": self.tokens_per_state, "regions": [r.geometry() for r in self.regions]}
+                "tokens_per_state": self.tokens_per_state, "content": self.content,
+                "regions": [r.geometry() for r in self.regions]}
 
 
 @dataclass(frozen=True)
@@ -152,9 +158,10 @@ class CacheLayout:
 
     @property
     def fingerprint(self) -> bytes:
-        """16 bytes naming what a stored page means; any change in geometry, dtype, model, TP size
-        or kpool gives another fingerprint, so pages of one layout are never served to another. Every
-        rank of a TP group has the same one (a replicated page written by one rank is read by all)."""
+        """16 bytes naming what a stored page means; any change in geometry, dtype, byte layout (state
+        shapes, dim order), model, TP size or kpool gives another fingerprint, so pages of one layout are
+        never served to another. Every rank of a TP group has the same one (a replicated page written by
+        one rank is read by all)."""
         canonical = json.dumps(self.fingerprint_fields(), sort_keys=True, separators=(",", ":"))
         return hashlib.blake2b(canonical.encode(), digest_size=16, person=b"kvoffload-layout").digest()
 

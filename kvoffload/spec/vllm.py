@@ -2,7 +2,8 @@
 
 Byte placement comes only from `kv_cache_config.kv_cache_tensors` (offset, layer stride, block stride:
 they changed between vLLM versions, so nothing here hard-codes them). Spec classes map to kinds:
-  not prefix-cacheable (CircularBufferSpec: the kpool tail ring; scratch; non-transferable) -> SKIP
+  not prefix-cacheable (the kpool tail ring: CircularBufferSpec, spelled KpoolTailSpec in some builds;
+  scratch; non-transferable; the flag is `prefix_cacheable` or `participates_in_prefix_caching`) -> SKIP
   MambaSpec (KDA, GDN, Mamba in align/all mode)                                  -> STATE
   FullAttentionSpec, MLAAttentionSpec (latent, or DSA indexer with tokens_per_state) -> PAGED
 Anything else is refused by name: guessing a layout is how pages end up in the wrong place.
@@ -11,18 +12,38 @@ Under tensor parallelism a group whose specs say its bytes are the same on sever
 `MambaSpec.tp_replicated`) is stored once per set of replicas (`CacheGroup.tp_replicas`), when the
 store is shared by the ranks' processes.
 
-One derivation, two views: `scheduler_view` (kinds, block size, hit alignment: what the scheduler
-plans with; it has no byte placement) and `from_vllm` (the worker's full byte layout) take the group
-kinds and the hit alignment from the same helpers, and `check_agreement` (run by each worker at
-start-up) refuses a worker layout that disagrees with the scheduler's view.
+What a page's bytes mean is more than its size: vLLM's conv-state layout (VLLM_SSM_CONV_STATE_LAYOUT,
+SD or DS) transposes a mamba state inside the same page, and the KV cache layout (LBHNC, LBNHC...)
+orders an attention page's heads and tokens. `page_content` names it from the spec (state shapes and
+dtypes, head geometry) and the resolved `kv_cache_config.kv_cache_layout`; it is in the key context
+(`key_context`, same in the scheduler and every worker) and in the layout fingerprint, which the
+worker also binds to the dim order of the tensors vLLM really hands it. A store written under one
+byte layout is therefore never read under another.
+
+One derivation, two views: `scheduler_view` (kinds, page content, block size, hit alignment: what the
+scheduler plans with; it has no byte placement) and `from_vllm` (the worker's full byte layout) take
+them from the same helpers, and `check_agreement` (run by each worker at start-up) refuses a worker
+layout that disagrees with the scheduler's view.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
+from .keys import _framed
 from .layout import CacheGroup, CacheLayout, GroupKind, Region, lcm
+
+# The kpool tail ring's spec, by the names vLLM builds give it: never prefix-cached.
+_TAIL_SPECS = ("CircularBufferSpec", "KpoolTailSpec")
+# The spellings of a spec's "this group takes part in prefix caching" flag.
+_CACHEABLE_FLAGS = ("prefix_cacheable", "participates_in_prefix_caching")
+# Spec fields that say what a page's bytes mean (read where present): state shapes and dtypes in their
+# order (SD vs DS conv state), head geometry, quantisation, pooling.
+_CONTENT_FIELDS = ("shapes", "dtypes", "dtype", "num_kv_heads", "num_head_slots", "head_size", "head_size_v",
+                   "kv_quant_mode", "state_content_bytes", "tokens_per_state", "cache_dtype_str", "cache_role",
+                   "mamba_type")
 
 
 class UnsupportedLayoutError(ValueError):
@@ -37,10 +58,17 @@ def _layer_specs(group_spec) -> dict[str, object] | None:
     return None
 
 
+def _prefix_cacheable(spec) -> bool:
+    """False when the spec is a tail ring or says so by either spelling of the flag."""
+    if any(cls.__name__ in _TAIL_SPECS for cls in type(spec).__mro__):
+        return False
+    return all(bool(getattr(spec, flag)) for flag in _CACHEABLE_FLAGS if hasattr(spec, flag))
+
+
 def _kind(spec, group_index: int, transferable: bool) -> GroupKind:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
 
-    if not transferable or not spec.prefix_cacheable:
+    if not transferable or not _prefix_cacheable(spec):
         return GroupKind.SKIP
     if type(spec) is MambaSpec:
         if spec.mamba_cache_mode not in ("align", "all"):
@@ -60,6 +88,60 @@ def _dtype(spec) -> str:
     if hasattr(spec, "dtypes"):
         return "+".join(str(d).removeprefix("torch.") for d in spec.dtypes)
     return str(spec.dtype).removeprefix("torch.")
+
+
+def _canon(value) -> str:
+    """A process-independent spelling of a spec field (dtypes without 'torch.', enums by name)."""
+    if isinstance(value, (tuple, list)):
+        return "(" + ",".join(_canon(v) for v in value) + ")"
+    if isinstance(value, enum.Enum):
+        return value.name
+    if type(value).__module__ == "torch":
+        return str(value).removeprefix("torch.")
+    return repr(value)
+
+
+def _page_order(kv_cache_layout: str | None) -> str:
+    """The order of heads (H), tokens (N) and content (C) inside an attention page under vLLM's resolved
+    KV cache layout ('HNC' for LBHNC); the layout's name where vLLM has no such enum."""
+    if not kv_cache_layout:
+        return "unknown"
+    try:
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+
+        return "".join("LBHNC"[axis] for axis in KVCacheLayout[kv_cache_layout].value if axis >= 2)
+    except (ImportError, KeyError):
+        return str(kv_cache_layout)
+
+
+def page_content(spec, kv_cache_layout: str | None) -> str:
+    """What one layer's page means beyond its size: the spec type and its content fields, and for
+    attention pages the in-page order of the KV cache layout. Same-size layouts differ here."""
+    parts = [type(spec).__name__]
+    for name in _CONTENT_FIELDS:
+        try:
+            value = getattr(spec, name)
+        except (AttributeError, NotImplementedError):
+            continue
+        parts.append(f"{name}={_canon(value)}")
+    if not hasattr(spec, "shapes"):  # an attention page: heads and tokens in the KV cache layout's order
+        parts.append(f"order={_page_order(kv_cache_layout)}")
+    return " ".join(parts)
+
+
+def group_content(group, kv_cache_config) -> str:
+    """A group's page content as the scheduler sees it (one layer's spec, see `_scheduler_specs`)."""
+    return page_content(_scheduler_specs(group)[0], getattr(kv_cache_config, "kv_cache_layout", None))
+
+
+def tensor_order(tensor) -> str:
+    """A worker tensor's element type, shape past the block dim and physical dim order (dims by falling
+    stride; size-1 dims carry no order), e.g. 'bfloat16(4,64,256):0123'; lists describe each member."""
+    if isinstance(tensor, (list, tuple)):
+        return "[" + ";".join(tensor_order(t) for t in tensor) + "]"
+    shape, strides = tuple(tensor.shape), tuple(tensor.stride())
+    dims = sorted((d for d in range(len(shape)) if d == 0 or shape[d] > 1), key=lambda d: (-strides[d], d))
+    return f"{_canon(tensor.dtype)}{_canon(shape[1:])}:{''.join(map(str, dims))}"
 
 
 def _used_bytes(spec) -> int:
@@ -154,6 +236,7 @@ class KindsLayout:
     hit_alignment: int
     kinds: tuple[GroupKind, ...]  # every group, SKIP included (keys and save jobs index groups by position)
     cacheable_groups: tuple[KindsGroup, ...]
+    contents: tuple[str, ...] = ()  # every group's page content (`group_content`), in the key context
     tp_size: int = 1  # the scheduler plans for every rank: a hit needs each rank's pages
 
     @classmethod
@@ -161,37 +244,51 @@ class KindsLayout:
         """The same view of a worker's full layout."""
         return cls(layout.block_size, layout.hit_alignment, tuple(g.kind for g in layout.groups),
                    tuple(KindsGroup(g.index, g.kind, g.name, g.tp_replicas) for g in layout.cacheable_groups),
-                   layout.tp_size)
+                   tuple(g.content for g in layout.groups), layout.tp_size)
 
 
 def scheduler_view(kv_cache_config, block_size: int, *, tp_size: int = 1, dcp_size: int = 1,
                    share_replicas: bool = True) -> KindsLayout:
-    """The scheduler's view: group kinds, `block_size` (the key chain's block), the hit alignment,
-    which groups TP ranks share. The same from the scheduler's copy of the config as from a worker's
-    (see `_scheduler_specs`)."""
+    """The scheduler's view: group kinds, page contents, `block_size` (the key chain's block), the hit
+    alignment, which groups TP ranks share. The same from the scheduler's copy of the config as from a
+    worker's (`_scheduler_specs`)."""
     kinds = group_kinds(kv_cache_config)  # raises UnsupportedLayoutError for unknown specs
     specs = [_scheduler_specs(g) for g in kv_cache_config.kv_cache_groups]
     kpool = _index_kpool(kinds, specs)
     groups = tuple(KindsGroup(i, k, group_name(i, k), _group_replicas(specs[i], tp_size, dcp_size, share_replicas))
                    for i, k in enumerate(kinds) if k is not GroupKind.SKIP)
-    return KindsLayout(block_size, _hit_alignment(kv_cache_config, block_size, kpool), tuple(kinds), groups, tp_size)
+    return KindsLayout(block_size, _hit_alignment(kv_cache_config, block_size, kpool), tuple(kinds), groups,
+                       tuple(group_content(g, kv_cache_config) for g in kv_cache_config.kv_cache_groups), tp_size)
+
+
+def key_context(view: KindsLayout, kv_cache_config, *, model_id: str, model_dtype: str, cache_dtype: str) -> bytes:
+    """The key chain's context: model identity, dtypes, block size and every group's kind, layers and
+    page content, each part framed. Built from what the scheduler and every worker both see (never
+    from byte offsets), so both derive the same keys; a store written under another byte layout (SD vs
+    DS conv state, another KV cache layout) has other keys, and offers no hits."""
+    groups = [_framed(kind.value.encode(), _framed(*(name.encode() for name in group.layer_names)),
+                      content.encode())
+              for kind, content, group in zip(view.kinds, view.contents, kv_cache_config.kv_cache_groups)]
+    return _framed(b"vllm", model_id.encode(), model_dtype.encode(), cache_dtype.encode(),
+                   str(view.block_size).encode(), *groups)
 
 
 def check_agreement(view: KindsLayout, layout: CacheLayout) -> None:
     """Refuse a worker layout that disagrees with the scheduler's view (block size, hit alignment,
-    group kinds, cacheable groups): the scheduler would promise hits and name pages the worker stores
-    differently."""
+    group kinds, cacheable groups, page contents): the scheduler would promise hits and name pages the
+    worker stores differently."""
     worker = KindsLayout.of(layout)
     diffs = [f"{name}: scheduler {getattr(view, name)!r}, worker {getattr(worker, name)!r}"
-             for name in ("block_size", "hit_alignment", "kinds", "cacheable_groups", "tp_size")
+             for name in ("block_size", "hit_alignment", "kinds", "cacheable_groups", "contents", "tp_size")
              if getattr(view, name) != getattr(worker, name)]
     if diffs:
         raise UnsupportedLayoutError("the scheduler's and the worker's views of the KV cache disagree; "
                                      + "; ".join(diffs))
 
 
-def _regions(layer_names, specs_by_layer, tensor_of) -> tuple[Region, ...]:
-    """The group's layers, tensor by tensor; each run of consecutive same-spec layers is one region."""
+def _regions(layer_names, specs_by_layer, tensor_of, kv_cache_layout, kv_caches) -> tuple[Region, ...]:
+    """The group's layers, tensor by tensor; each run of consecutive same-spec layers is one region. Its
+    content is the spec's page content and, where the worker's tensors are given, their dim orders."""
     members: dict[int, tuple[object, list[tuple[int, str]]]] = {}
     for name in layer_names:
         if name not in tensor_of:
@@ -210,17 +307,23 @@ def _regions(layer_names, specs_by_layer, tensor_of) -> tuple[Region, ...]:
                 runs.append([(index, name)])
         for run in runs:
             spec = specs_by_layer[run[0][1]]
+            content = page_content(spec, kv_cache_layout)
+            if kv_caches is not None:
+                orders = sorted({tensor_order(kv_caches[name]) for _, name in run if name in kv_caches})
+                content += " tensors=" + "|".join(orders)
             regions.append(Region(buffer=0, offset=tensor.offset + run[0][0] * tensor.layer_stride,
                                   layer_stride=tensor.layer_stride, block_stride=tensor.block_stride,
                                   layer_names=tuple(name for _, name in run), used_bytes=_used_bytes(spec),
-                                  page_bytes=int(spec.page_size_bytes), dtype=_dtype(spec)))
+                                  page_bytes=int(spec.page_size_bytes), dtype=_dtype(spec), content=content))
     return tuple(regions)
 
 
 def from_vllm(kv_cache_config, *, model_id: str = "", tp_rank: int = 0, tp_size: int = 1, dcp_size: int = 1,
-              share_replicas: bool = True, extra: dict[str, str] | None = None) -> CacheLayout:
+              share_replicas: bool = True, extra: dict[str, str] | None = None,
+              kv_caches: dict | None = None) -> CacheLayout:
     """The layout of a worker's KV cache as vLLM planned it. Pass the WORKER's config (the scheduler's
-    copy replaces uniform-type wrappers by one layer's spec and loses per-layer page sizes)."""
+    copy replaces uniform-type wrappers by one layer's spec and loses per-layer page sizes), and the
+    tensors vLLM registers (`kv_caches`) where known: their dim orders go into the fingerprint."""
     tensors = list(kv_cache_config.kv_cache_tensors)
     if any(getattr(t, "host_resident", False) for t in tensors):
         raise UnsupportedLayoutError("host-resident KV cache tensors (HiSparse) are not supported by kvoffload")
@@ -228,6 +331,7 @@ def from_vllm(kv_cache_config, *, model_id: str = "", tp_rank: int = 0, tp_size:
     if len(sizes) > 1:
         raise UnsupportedLayoutError(f"kv_cache_tensors disagree on the backing allocation size: {sorted(sizes)}")
     tensor_of = {name: (t, i) for t in tensors for i, name in enumerate(t.layers)}
+    kv_cache_layout = getattr(kv_cache_config, "kv_cache_layout", None)
 
     groups: list[CacheGroup] = []
     kinds = group_kinds(kv_cache_config)
@@ -241,8 +345,9 @@ def from_vllm(kv_cache_config, *, model_id: str = "", tp_rank: int = 0, tp_size:
         groups.append(CacheGroup(
             index=index, name=group_name(index, kind),
             kind=kind, block_size=int(group_spec.block_size),
-            regions=_regions(group.layer_names, per_layer, tensor_of),
+            regions=_regions(group.layer_names, per_layer, tensor_of, kv_cache_layout, kv_caches),
             tokens_per_state=tokens_per_state, spec_type="/".join(spec_types),
+            content=group_content(group, kv_cache_config),
             tp_replicas=_group_replicas(per_layer.values(), tp_size, dcp_size, share_replicas)))
 
     cacheable = [g for g in groups if g.cacheable]

@@ -3,9 +3,10 @@
 For a prompt set, run the bundled GLM runner cold (nothing in the store for this run: every case of every
 run has its own key namespace, so prompts sharing a prefix are each computed in full, and a cold load can
 only mean a store that already held this run's pages), save through the runner connector, drop the
-device cache (with `restart`: in a new process), run warm from the store, and compare: identical greedy tokens, every restored page byte-equal
-to the page the cold run saved (BLAKE2b-256 of each page), every expected page restored, hit tokens as
-the layout predicts, and no page of a SKIP group (the kpool tail ring) ever stored or restored.
+device cache (with `restart`: in a new process), run warm from the store, and compare: identical greedy
+tokens, every restored page byte-equal to the page the cold run saved (BLAKE2b-256 of each page), every
+expected page restored, hit tokens as the layout predicts, and no page of a SKIP group (the kpool tail
+ring) ever stored or restored.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """`kvoffload verify`: prove that offloaded KV is exactly what the model needs.
 
-For a prompt set, run the bundled GLM runner cold (nothing in the store for this run: every run has its
-own key namespace), save through the runner connector, drop the device cache (with `restart`: in a new
-process), run warm from the store, and compare: identical greedy tokens, every restored page byte-equal
-to the page the cold run saved (BLAKE2b-256 of each page), every expected page restored, hit tokens as
-the layout predicts, and no page of a SKIP group (the kpool tail ring) ever stored or restored.
+For a prompt set, run the bundled GLM runner cold (nothing in the store for this run: every case of every
+run has its own key namespace, so prompts sharing a prefix are each computed in full, and a cold load can
+only mean a store that already held this run's pages), save through the runner connector, drop the
+device cache (with `restart`: in a new process), run warm from the store, and compare: identical greedy
+tokens, every restored page byte-equal to the page the cold run saved (BLAKE2b-256 of each page), every
+expected page restored, hit tokens as the layout predicts, and no page of a SKIP group (the kpool tail
+ring) ever stored or restored.
 """
 
 from __future__ import annotations
@@ -90,6 +92,11 @@ def default_model_dir(preset: str) -> str:
     return path
 
 
+def case_namespace(namespace: str, case: int) -> str:
+    """The keys of one case: its cold run finds nothing another case of the run saved."""
+    return f"{namespace}/case{case}"
+
+
 def _digest(data) -> str:
     return hashlib.blake2b(bytes(data), digest_size=32).hexdigest()
 
@@ -160,10 +167,10 @@ def run_phase(model_dir: str, store, namespace: str, cases, block_size: int, max
         with open_store(store, fingerprint=fingerprint) as opened:
             return run_phase(model_dir, opened, namespace, cases, block_size, max_tokens, threads, progress,
                              device, kernels)
-    for name, prompts in cases:
+    for c, (name, prompts) in enumerate(cases):
         need = sum((len(p) + max_tokens) // block_size + 2 for p in prompts) + 4
         cache = PagedCache(config, block_size, need, model_id=model_id, device=device)  # fresh and empty
-        engine = Engine(model, cache, namespace=namespace)
+        engine = Engine(model, cache, namespace=case_namespace(namespace, c))
         recorder = _Recorder(cache.layout, result)
         connector = _VerifyingConnector(store, engine, recorder)
         requests = engine.generate(prompts, max_tokens)
@@ -196,9 +203,8 @@ def compare(cases, cold: PhaseResult, warm: PhaseResult, layout, block_size: int
     """Judge a cold/warm pair against the layout (independently of what the connector did)."""
     from kvoffload.spec import KeyChain
 
-    chain = KeyChain(layout.fingerprint, block_size, namespace=namespace)
     reports, problems = [], []
-    saved = cold.pages
+    saved = {k: p for k, p in cold.pages.items() if "digest" in p}  # not the pages a cold run loaded
     skip_pages = [k for k, p in {**saved, **warm.pages}.items() if p.get("kind") == GroupKind.SKIP.value
                   or layout.group(p["group"]).kind is GroupKind.SKIP]
     if skip_pages:
@@ -214,7 +220,7 @@ def compare(cases, cold: PhaseResult, warm: PhaseResult, layout, block_size: int
         for i, prompt in enumerate(prompts):
             hit = warm.hit_tokens[c][i]
             expected = max_hit_blocks(layout, len(prompt)) * block_size
-            keys = chain.keys(prompt)
+            keys = KeyChain(layout.fingerprint, block_size, namespace=case_namespace(namespace, c)).keys(prompt)
             loaded_from = (hit - warm.loaded_tokens[c][i]) // block_size
             wanted = {p.key.hex() for p in pages_for_load(layout, keys, loaded_from, hit // block_size)}
             restored = warm.restored[c][i]

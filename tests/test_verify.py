@@ -128,6 +128,46 @@ def test_verify_command_json_and_prompt_file(tmp_path, tiny_checkpoint):
             "warm_prefill_seconds"} <= set(report["prompts"][0])
 
 
+def _shared_prefix_prompts(path):
+    """A prompt file as users write them: a common system prompt, turns that extend a conversation,
+    a line diverging mid-block, an exact repeat."""
+    system = [(7 * i + 3) % 500 for i in range(40)]  # 2.5 blocks of 16: diverging lines part mid-block
+    turn = system + [(11 * i + 5) % 500 for i in range(20)]
+    lines = [system + [1, 2, 3, 4, 5], turn, turn + [(13 * i) % 500 for i in range(18)], system[:37] + [9] * 12,
+             turn, system[:32] + [4] * 16]
+    path.write_text("".join(" ".join(map(str, line)) + "\n" for line in lines))
+    return lines
+
+
+def test_verify_command_prompts_sharing_prefixes(tmp_path, tiny_checkpoint):
+    """Each line is cold on its own, whatever an earlier line of the same run saved."""
+    lines = _shared_prefix_prompts(tmp_path / "chat.txt")
+    out = _cli("verify", "--model", tiny_checkpoint, "--prompts", str(tmp_path / "chat.txt"), "--json", "--quiet",
+               "--max-tokens", "3")
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(out.stdout)
+    assert report["ok"] and not report["problems"] and len(report["prompts"]) == len(lines)
+    _check_all_equal(report)
+    assert [p["hit_tokens"] for p in report["prompts"]] == [32, 48, 64, 48, 48, 32]
+
+
+def test_verify_prompt_file_on_lmdb_and_a_reused_store(monkeypatch, tmp_path, tiny_checkpoint):
+    """The cold run's store-was-empty check still fails where the store really held this run's pages:
+    a persistent store kept from an earlier run of the same namespace."""
+    import uuid
+
+    from kvoffload import verify as verify_module
+
+    _shared_prefix_prompts(tmp_path / "chat.txt")
+    monkeypatch.setattr(verify_module.uuid, "uuid4", lambda: uuid.UUID(int=14))  # both runs: one namespace
+    url = f"lmdb://{tmp_path}/db?capacity=256MiB"
+    first = verify(url, model_dir=tiny_checkpoint, prompts_file=str(tmp_path / "chat.txt"), max_tokens=3)
+    _check_all_equal(first)
+    again = verify(url, model_dir=tiny_checkpoint, prompts_file=str(tmp_path / "chat.txt"), max_tokens=3)
+    assert not again["ok"]
+    assert any("store was not empty" in p for p in again["problems"]), again["problems"]
+
+
 def test_verify_command_refuses_bad_input(tmp_path, tiny_checkpoint):
     bad = tmp_path / "bad.txt"
     bad.write_text("1 2 x\n")

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 OPS = ("rms_norm", "causal_conv", "kda_chunked", "kda_recurrent", "masked_attention", "absorbed_decode_attention",
-       "indexer_scores", "pool_keys", "select_pools", "moe_experts")
+       "indexer_scores", "pool_keys", "select_pools", "moe_experts", "hc_pre", "hc_post")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -134,3 +134,33 @@ def moe_experts(x, weights, indices, gate_up, down, limit):
             h = F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
             out[rows] += F.linear(h, down[e]) * weights[rows, slot, None].to(x.dtype)
     return out
+
+
+def hc_pre(streams, fn, base, scale, eps: float, norm_eps: float, iters: int):
+    """mHC before a block: streams [T, N, D] -> (post [T, N], comb [T, N, N], the block input [T, D]).
+    `fn` [N(N+2), N D] maps the RMS-normed streams to the pre, post and comb logits; `base` [N(N+2)]
+    and `scale` [3] bias and scale them; comb is Sinkhorn-normalised in `iters` rounds."""
+    n = streams.shape[1]
+    flat = streams.reshape(streams.shape[0], -1).float()
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    mixed = F.linear(flat, fn.float())
+    pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    pre_s, post_s, comb_s = scale.unbind(0)
+    pre = torch.sigmoid(pre_w * pre_s + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * post_s + post_b)
+    comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    return post, comb, collapsed
+
+
+def hc_post(post, comb, block_out, residual):
+    """mHC after a block: the block output [T, D] spread over the streams by `post`, plus the streams
+    [T, N, D] mixed by comb^T."""
+    dtype = residual.dtype
+    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2),
+                                                                                 residual)

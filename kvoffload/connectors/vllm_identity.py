@@ -5,9 +5,12 @@ from the same `vllm_config`, so they agree; equal models agree across restarts a
 
 from __future__ import annotations
 
+import logging
 import os
 
 from ..spec.identity import ModelIdentityError, model_identity, weights_identity
+
+log = logging.getLogger("kvoffload.connectors.vllm")
 
 
 def _weights_path(vllm_config) -> str | None:
@@ -38,4 +41,6 @@ def vllm_model_identity(vllm_config, model_revision: str | None) -> str:
         raise ModelIdentityError(f"KVOffloadConnector: {exc}; cannot tell which weights {model_config.model!r} "
                                  "serves: set kv_connector_extra_config model_revision to a revision that "
                                  "names them (a commit, a checksum), or put the weights on local disk") from None
-    return model_identity(config, weights)
+    identity = model_identity(config, weights)
+    log.info("KVOffloadConnector: model identity %s", identity)
+    return identity

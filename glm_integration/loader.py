@@ -17,12 +17,16 @@ def checkpoint_id(directory: str, model_revision: str | None = None) -> str:
     """The model's identity (`kvoffload.spec.identity`): its config.json and the content of every weight
     file, or `model_revision` instead of the weights when the caller vouches for one (nothing hashed).
     Equal on every machine for the same files; any changed config field or weight byte changes it."""
+    path = os.path.join(directory, "config.json")
     try:
-        with open(os.path.join(directory, "config.json"), "rb") as f:
+        with open(path, "rb") as f:
             config = json.load(f)
+    except ValueError as exc:
+        raise ModelConfigError(f"{path}: not valid JSON ({exc})") from None
+    try:
         return f"glm5next:{model_identity(config, weights_identity(directory, model_revision))}"
-    except (ModelIdentityError, ValueError) as exc:
-        raise ModelConfigError(f"{directory}: {exc}") from None
+    except ModelIdentityError as exc:
+        raise ModelConfigError(str(exc)) from None
 
 
 def load_model(directory: str, device: str = "cpu",

@@ -25,8 +25,10 @@ import math
 import os
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
 
@@ -35,6 +37,7 @@ UNBOUND_CONFIG_FIELDS = frozenset({"_name_or_path", "transformers_version", "_co
 WEIGHT_PATTERNS = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 _CHUNK = 8 << 20
+_THREADS = 8  # files hashed at once
 _RACY_S = 2.0  # a file younger than this is not cached (timestamps have a clock tick's resolution)
 _CACHE_ENTRIES = 4096  # the least recently hashed entries beyond this are dropped
 _LOCK_WAIT_S = 3600.0  # another process hashing the same cache: wait at most this long, then hash too
@@ -209,30 +212,37 @@ def _cached(cache: _DigestCache, files: Iterable[str], entries: dict | None = No
 
 
 def _hash_missing(files: list[str], digests: dict[str, str], entries: dict, say: Callable[[str], None]) -> None:
+    """Hash the files not in `digests`, several at once (xxh3 releases the GIL: a sharded checkpoint in
+    the page cache hashes at memory speed per core), and cache the settled ones in `entries`."""
     todo = [f for f in files if f not in digests]
     size = sum(os.stat(f).st_size for f in todo)
     done, started, last = 0, time.monotonic(), time.monotonic()
+    lock = threading.Lock()
     loud = size > _PROGRESS_ABOVE
     if loud:
         say(f"kvoffload: hashing {len(todo)} weight file(s), {size / 1e9:.1f} GB, once (cached afterwards)")
 
     def tick(n: int) -> None:
         nonlocal done, last
-        done += n
-        now = time.monotonic()
-        if loud and now - last >= _PROGRESS_EVERY_S:
-            last = now
-            say(f"kvoffload: hashed {done / 1e9:.1f} / {size / 1e9:.1f} GB "
-                f"({done / 1e9 / max(now - started, 1e-9):.2f} GB/s)")
+        with lock:
+            done += n
+            now = time.monotonic()
+            if loud and now - last >= _PROGRESS_EVERY_S:
+                last = now
+                say(f"kvoffload: hashed {done / 1e9:.1f} / {size / 1e9:.1f} GB "
+                    f"({done / 1e9 / max(now - started, 1e-9):.2f} GB/s)")
 
-    buffer = bytearray(_CHUNK)
-    for f in todo:
-        before = os.stat(f)
-        digests[f] = _hash_file(f, buffer, tick)
-        after = os.stat(f)
-        settled = time.time_ns() - max(after.st_mtime_ns, after.st_ctime_ns) > _RACY_S * 1e9
-        if _file_key(before) == _file_key(after) and settled:
-            entries[os.path.realpath(f)] = {"key": _file_key(after), "xxh3_128": digests[f], "used": time.time()}
+    def one(path: str) -> tuple[str, os.stat_result, str, os.stat_result]:
+        before = os.stat(path)
+        return path, before, _hash_file(path, bytearray(_CHUNK), tick), os.stat(path)
+
+    threads = max(1, min(_THREADS, os.cpu_count() or 1, len(todo)))
+    with ThreadPoolExecutor(threads, thread_name_prefix="kvoffload-hash") as pool:
+        for path, before, digest, after in pool.map(one, todo):
+            digests[path] = digest
+            settled = time.time_ns() - max(after.st_mtime_ns, after.st_ctime_ns) > _RACY_S * 1e9
+            if _file_key(before) == _file_key(after) and settled:
+                entries[os.path.realpath(path)] = {"key": _file_key(after), "xxh3_128": digest, "used": time.time()}
     if loud:
         say(f"kvoffload: hashed {size / 1e9:.1f} GB in {time.monotonic() - started:.1f} s")
 

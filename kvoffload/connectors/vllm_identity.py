@@ -38,8 +38,8 @@ def vllm_model_identity(vllm_config, model_revision: str | None) -> str:
     try:
         weights = weights_identity(None if model_revision else _weights_path(vllm_config), model_revision)
     except ModelIdentityError as exc:
-        raise ModelIdentityError(f"KVOffloadConnector: {exc}; cannot tell which weights {model_config.model!r} "
-                                 "serves: set kv_connector_extra_config model_revision to a revision that "
+        raise ModelIdentityError(f"KVOffloadConnector: cannot tell which weights {model_config.model!r} serves "
+                                 f"({exc}): set kv_connector_extra_config model_revision to a revision that "
                                  "names them (a commit, a checksum), or put the weights on local disk") from None
     identity = model_identity(config, weights)
     log.info("KVOffloadConnector: model identity %s", identity)

@@ -252,7 +252,7 @@ def weights_identity(path: str | None, revision: str | None = None, **kw) -> str
     if revision:
         return f"revision:{revision}"
     if not path:
-        raise ModelIdentityError("the model's weights are not on local disk: set model_revision")
+        raise ModelIdentityError("no local weight files and no model_revision")
     return f"content:{weights_digest(path, **kw)}"
 
 

@@ -199,10 +199,13 @@ def test_digest_cache_file_is_private_json_and_survives_damage(tmp_path, cache_f
     with open(cache_file) as f:
         (entry,) = json.load(f).values()
     assert set(entry) == {"key", "xxh3_128", "used"}
-    with open(cache_file, "w") as f:
-        f.write("{ damaged")
     reads = _counting(monkeypatch)
-    assert weights_digest(str(directory), cache_path=cache_file) == digest and reads == ["m.safetensors"]
+    for damage in ("{ damaged", json.dumps({os.path.realpath(directory / "m.safetensors"): {**entry, "xxh3_128": "zz"}}),
+                   json.dumps([1, 2]), json.dumps({"x": 1})):
+        with open(cache_file, "w") as f:
+            f.write(damage)
+        reads.clear()
+        assert weights_digest(str(directory), cache_path=cache_file) == digest and reads == ["m.safetensors"]
     assert not [n for n in os.listdir(os.path.dirname(cache_file)) if n.startswith(".weight-digests-")]
 
 
@@ -225,3 +228,32 @@ def test_no_weight_files_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ModelConfigError, match="no weight files"):
         checkpoint_id(str(tmp_path))
+
+
+def test_concurrent_starts_hash_each_file_once(tmp_path, cache_file, monkeypatch):
+    """The scheduler and the workers start together: one hashes, the others wait and read its digest."""
+    import threading
+
+    directory = tmp_path / "w"
+    directory.mkdir()
+    (directory / "m.safetensors").write_bytes(os.urandom(1 << 16))
+    _old(directory / "m.safetensors")
+    reads = []
+    real = identity._hash_file
+
+    def slow(path, *args):
+        reads.append(path)
+        time.sleep(0.5)
+        return real(path, *args)
+
+    monkeypatch.setattr(identity, "_hash_file", slow)
+    said, results = [], []
+    threads = [threading.Thread(target=lambda: results.append(
+        weights_digest(str(directory), cache_path=cache_file, progress=said.append))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(results) == 3 and len(set(results)) == 1
+    assert len(reads) == 1
+    assert "kvoffload: waiting for another process hashing model weights" in said

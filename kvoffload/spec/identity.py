@@ -133,7 +133,11 @@ class _DigestCache:
 
     def _save(self, entries: dict) -> None:
         if len(entries) > _CACHE_ENTRIES:
-            newest = sorted(entries, key=lambda p: entries[p].get("used", 0), reverse=True)[:_CACHE_ENTRIES]
+            def used(p):
+                value = entries[p].get("used")
+                return value if isinstance(value, (int, float)) else 0
+
+            newest = sorted(entries, key=used, reverse=True)[:_CACHE_ENTRIES]
             entries = {p: entries[p] for p in newest}
         directory = os.path.dirname(self.path)
         fd, tmp = tempfile.mkstemp(prefix=".weight-digests-", dir=directory)  # 0600
@@ -206,9 +210,14 @@ def _cached(cache: _DigestCache, files: Iterable[str], entries: dict | None = No
     found = {}
     for f in files:
         entry = entries.get(os.path.realpath(f))
-        if isinstance(entry, dict) and entry.get("key") == _file_key(os.stat(f)):
-            found[f] = entry["xxh3_128"]
+        digest = entry.get("xxh3_128") if isinstance(entry, dict) else None
+        if entry and entry.get("key") == _file_key(os.stat(f)) and _is_digest(digest):
+            found[f] = digest
     return found
+
+
+def _is_digest(value) -> bool:
+    return isinstance(value, str) and len(value) == 32 and all(c in "0123456789abcdef" for c in value)
 
 
 def _hash_missing(files: list[str], digests: dict[str, str], entries: dict, say: Callable[[str], None]) -> None:

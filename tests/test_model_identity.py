@@ -257,3 +257,33 @@ def test_concurrent_starts_hash_each_file_once(tmp_path, cache_file, monkeypatch
     assert len(results) == 3 and len(set(results)) == 1
     assert len(reads) == 1
     assert "kvoffload: waiting for another process hashing model weights" in said
+
+
+def test_vllm_hub_repo_id_uses_the_downloaded_snapshot(tmp_path, monkeypatch):
+    """A repo id (not a directory): the snapshot vLLM downloaded into the hub cache is hashed, never
+    fetched; a repo that is not there needs model_revision, said at start-up."""
+    pytest.importorskip("huggingface_hub")
+    from types import SimpleNamespace as NS
+
+    from kvoffload.connectors.vllm_identity import vllm_model_identity
+    from kvoffload.spec.identity import ModelIdentityError
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    hub, commit = tmp_path / "hub", "a" * 40
+    repo = hub / "models--org--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (snapshot / "model.safetensors").write_bytes(b"w" * 64)
+    model_config = NS(model="org/tiny", revision=None, quantization=None, model_weights="",
+                      hf_config=NS(to_dict=lambda: {"model_type": "llama", "_name_or_path": "org/tiny"}))
+    vllm_config = NS(model_config=model_config, load_config=NS(download_dir=str(hub)))
+    first = vllm_model_identity(vllm_config, None)
+    assert first == vllm_model_identity(vllm_config, None)
+    (snapshot / "model.safetensors").write_bytes(b"v" * 64)
+    assert vllm_model_identity(vllm_config, None) != first
+    assert vllm_model_identity(vllm_config, "c0ffee").endswith("/revision:c0ffee")
+    model_config.model = "org/absent"
+    with pytest.raises(ModelIdentityError, match="set kv_connector_extra_config model_revision"):
+        vllm_model_identity(vllm_config, None)

@@ -200,8 +200,8 @@ def test_digest_cache_file_is_private_json_and_survives_damage(tmp_path, cache_f
         (entry,) = json.load(f).values()
     assert set(entry) == {"key", "xxh3_128", "used"}
     reads = _counting(monkeypatch)
-    for damage in ("{ damaged", json.dumps({os.path.realpath(directory / "m.safetensors"): {**entry, "xxh3_128": "zz"}}),
-                   json.dumps([1, 2]), json.dumps({"x": 1})):
+    bad_digest = {os.path.realpath(directory / "m.safetensors"): {**entry, "xxh3_128": "zz"}}
+    for damage in ("{ damaged", json.dumps(bad_digest), json.dumps([1, 2]), json.dumps({"x": 1})):
         with open(cache_file, "w") as f:
             f.write(damage)
         reads.clear()

@@ -3,45 +3,35 @@ pages computed with other weights must never be served, so the weights are part 
 
 from __future__ import annotations
 
-import glob
-import hashlib
 import json
 import os
-import struct
+
+from kvoffload.spec.identity import ModelIdentityError, model_identity, weights_identity
 
 from .config import GlmConfig, ModelConfigError
 from .model import GlmModel
 from .weights import load_weights
 
-_HASH_ALL_BELOW = 256 << 20  # hash every byte of small checkpoints; headers and sizes of large ones
 
-
-def checkpoint_id(directory: str) -> str:
-    """A deterministic id of the config and weights (same files -> same id on every machine)."""
-    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {directory}")
-    digest = hashlib.blake2b(digest_size=16)
-    with open(os.path.join(directory, "config.json"), "rb") as f:
-        digest.update(json.dumps(json.load(f), sort_keys=True).encode())
-    whole = sum(os.path.getsize(p) for p in files) <= _HASH_ALL_BELOW
-    for path in files:
-        digest.update(os.path.basename(path).encode())
-        digest.update(os.path.getsize(path).to_bytes(8, "little"))
+def checkpoint_id(directory: str, model_revision: str | None = None) -> str:
+    """The model's identity (`kvoffload.spec.identity`): its config.json and the content of every weight
+    file, or `model_revision` instead of the weights when the caller vouches for one (nothing hashed).
+    Equal on every machine for the same files; any changed config field or weight byte changes it."""
+    path = os.path.join(directory, "config.json")
+    try:
         with open(path, "rb") as f:
-            if whole:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    digest.update(block)
-            else:  # the safetensors header: names, dtypes, shapes and offsets of every tensor
-                size = f.read(8)
-                if len(size) < 8:
-                    raise ModelConfigError(f"{path}: not a safetensors file (shorter than its header)")
-                digest.update(f.read(min(struct.unpack("<Q", size)[0], os.path.getsize(path))))  # garbage: no huge read
-    return f"glm5next:{digest.hexdigest()}"
+            config = json.load(f)
+    except ValueError as exc:
+        raise ModelConfigError(f"{path}: not valid JSON ({exc})") from None
+    try:
+        return f"glm5next:{model_identity(config, weights_identity(directory, model_revision))}"
+    except ModelIdentityError as exc:
+        raise ModelConfigError(str(exc)) from None
 
 
-def load_model(directory: str, device: str = "cpu") -> tuple[GlmConfig, GlmModel, str]:
-    """(config, model with its weights on `device`, model id)."""
+def load_model(directory: str, device: str = "cpu",
+               model_revision: str | None = None) -> tuple[GlmConfig, GlmModel, str]:
+    """(config, model with its weights on `device`, model id: `checkpoint_id`)."""
     config = GlmConfig.from_pretrained(directory)
     weights = {name: t.to(device) for name, t in load_weights(directory, config=config).items()}
-    return config, GlmModel(config, weights), checkpoint_id(directory)
+    return config, GlmModel(config, weights), checkpoint_id(directory, model_revision)

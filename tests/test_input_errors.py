@@ -80,7 +80,7 @@ def test_safetensors_that_is_garbage_or_truncated(model):
     weights.write_bytes(data[: len(data) // 2])
     _one_line(_verify(model), "model.safetensors: not a readable safetensors file")
     weights.unlink()
-    _one_line(_verify(model), "no *.safetensors files")
+    _one_line(_verify(model), "no weight files (*.safetensors")
 
 
 @pytest.mark.parametrize("index, message", [("{", "not valid JSON"), ('{"weight_map": [1]}', "no weight_map")])

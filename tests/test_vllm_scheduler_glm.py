@@ -59,6 +59,13 @@ MLA_GROUP = 3
 TAIL_GROUP = 4
 
 
+class _HfConfigStub(dict):
+    """The model config the connector digests into its keys (``PretrainedConfig.to_dict``)."""
+
+    def to_dict(self) -> dict:
+        return dict(self)
+
+
 @dataclasses.dataclass
 class _SchedulerModelConfigStub(vllm_layouts._ModelConfigStub):
     """``vllm_layouts``' planner stub plus the fields ``Scheduler``, ``StructuredOutputManager``,
@@ -74,6 +81,10 @@ class _SchedulerModelConfigStub(vllm_layouts._ModelConfigStub):
     multimodal_config: object = None
     supports_multimodal_inputs: bool = False
     return_sampling_mask: bool = False
+    quantization: object = None
+    revision: object = None
+    hf_config: _HfConfigStub = dataclasses.field(default_factory=lambda: _HfConfigStub(
+        model_type="glm5next", num_hidden_layers=45, index_kpool=4))
 
 
 def _glm_vllm_config(retention_interval: int, store_url: str, **extra_config):
@@ -103,7 +114,8 @@ def _glm_vllm_config(retention_interval: int, store_url: str, **extra_config):
         max_model_len=stub.max_model_len, dtype=stub.dtype, use_mla=stub.use_mla))
     object.__setattr__(vc, "kv_transfer_config", KVTransferConfig(
         kv_connector="KVOffloadConnector", kv_connector_module_path="kvoffload.connectors.vllm",
-        kv_role="kv_both", kv_connector_extra_config={"store": store_url, **extra_config}))
+        kv_role="kv_both", kv_connector_extra_config={"store": store_url, "model_revision": "stub-weights",
+                                                      **extra_config}))
     vc.scheduler_config.max_num_batched_tokens = TOKEN_BUDGET
     assert vc.cache_config.enable_prefix_caching and vc.cache_config.mamba_cache_mode == "align"
     assert worker_cfg.prefix_cache_retention_interval == retention_interval
@@ -495,6 +507,8 @@ def test_startup_errors_are_clear(tmp_path):
         _connector(tmp_path, store="lmdb://relative/dir")
     with pytest.raises(ValueError, match="admit= above 1 is not supported under vLLM"):
         _connector(tmp_path, store=f"tiered://?memory=64MiB&lmdb={tmp_path}/db&lmdb_capacity=64MiB&admit=2")
+    with pytest.raises(ValueError, match="weights .* set kv_connector_extra_config model_revision"):
+        _connector(tmp_path, model_revision=None)  # the stub model is neither a directory nor in the hub cache
 
 
 def test_unsupported_spec_is_named_at_startup(tmp_path, monkeypatch):

@@ -57,6 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..spec import GroupKind, KeyChain
 from ..spec.vllm import UnsupportedLayoutError, key_context, scheduler_view
 from ..store import parse_url
+from .vllm_identity import vllm_model_identity
 from .vllm_metrics import KVOffloadPromMetrics, KVOffloadStats
 from .vllm_scheduler import _Scheduler
 from .vllm_shared import KVOffloadMetadata, LoadJob, SaveJob, StoredPages
@@ -72,6 +73,8 @@ EXTRA_CONFIG_KEYS = {
     "store": "store URL (memory://, lmdb:///abs/dir, tiered://...); default lmdb under ~/.cache/kvoffload",
     "namespace": "key namespace: deployments that must not share cached prefixes use different ones",
     "model_id": "identity of the weights in the layout fingerprint (default: the served model name)",
+    "model_revision": "a revision naming the weights (a commit, a checksum): keys use it instead of hashing "
+                      "the weight files",
     "load_failure_policy": "'recompute' (default: a failed load is a cache miss) or 'fail' (vLLM's own default)",
 }
 
@@ -106,6 +109,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.tp_rank, self.tp_size = getattr(parallel, "rank", 0) % max(parallel.tensor_parallel_size, 1), \
             parallel.tensor_parallel_size
         model_id = extra.get("model_id") or str(vllm_config.model_config.model)
+        # The whole model config and the weights' content (or model_revision): any change, no old keys.
+        self.model_identity = vllm_model_identity(vllm_config, extra.get("model_revision"))
         self.block_size = kv_cache_config.hash_block_size or vllm_config.cache_config.block_size
         # The scheduler's view (group kinds, block size, hit alignment); raises UnsupportedLayoutError for
         # unknown specs. Workers check their full byte layout against it in register_kv_caches.
@@ -120,7 +125,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             raise UnsupportedLayoutError("KVOffloadConnector: no prefix-cacheable KV cache group")
         # The key chain's context is equal in the scheduler and every worker (what both see: model identity,
         # dtypes, block size, group kinds, layers and page contents, never byte offsets).
-        context = key_context(self.view, kv_cache_config, model_id=model_id,
+        context = key_context(self.view, kv_cache_config, model_id=f"{model_id}#{self.model_identity}",
                               model_dtype=str(vllm_config.model_config.dtype),
                               cache_dtype=str(vllm_config.cache_config.cache_dtype))
         self.chain = KeyChain(context, self.block_size, namespace=extra.get("namespace", "vllm"))
@@ -130,8 +135,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             workers = max(int(getattr(parallel, "world_size", 1) or 1), 1)
             self.connector_scheduler = _Scheduler(self.view, self.chain, self.store_url, self.tp_size, workers)
         else:
-            self.connector_worker = _Worker(kv_cache_config, self.view, self.store_url, model_id, self.tp_rank,
-                                            self.tp_size, dcp_size=dcp_size, share_replicas=share)
+            self.connector_worker = _Worker(kv_cache_config, self.view, self.store_url,
+                                            f"{model_id}#{self.model_identity}", self.tp_rank, self.tp_size,
+                                            dcp_size=dcp_size, share_replicas=share)
 
     # ------------------------------------------------------------------ scheduler side
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:

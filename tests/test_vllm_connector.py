@@ -163,3 +163,19 @@ def test_shared_redis_tier_across_engine_processes(qwen_dir, redis_server):
     url = f"tiered://?memory=128MiB&redis=redis://{redis_server.address}/0"
     cold, warm = vh.run_restart(qwen_dir, connector(url), [[LONG]] * 2, dtype="bfloat16", block_size=BLOCK)
     _assert_served(cold, warm)
+
+
+@pytest.mark.parametrize("unit", [32])
+def test_qwen3_next_finer_prefix_match_unit(qwen_dir, tmp_path, unit):
+    """vLLM's `prefix_match_unit` finer than the hybrid's physical block (64 tokens): pages and keys
+    follow the physical block, hits are whole blocks; cold, then warm after a local reset and after
+    a restart, on LMDB."""
+    url = store_url("lmdb", tmp_path)
+    kwargs = {"prefix_match_unit": unit}
+    cold, warm = vh.run_generations(qwen_dir, connector(url), [[LONG]] * 2, dtype="bfloat16", block_size=BLOCK,
+                                    engine_kwargs=kwargs)
+    _assert_served([cold[0]], [warm[0]])
+    (restarted,) = vh.run_restart(qwen_dir, connector(url), [[LONG]], dtype="bfloat16", block_size=BLOCK,
+                                  engine_kwargs=kwargs)
+    _assert_served([cold[0]], [restarted[0]])
+    assert warm[0]["num_external_cached_tokens"] % 64 == 0

@@ -98,10 +98,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.tp_rank, self.tp_size = getattr(parallel, "rank", 0) % max(parallel.tensor_parallel_size, 1), \
             parallel.tensor_parallel_size
         model_id = extra.get("model_id") or str(vllm_config.model_config.model)
-        self.block_size = kv_cache_config.hash_block_size or vllm_config.cache_config.block_size
-        # The scheduler's view (group kinds, block size, hit alignment); raises UnsupportedLayoutError for
-        # unknown specs. Workers check their full byte layout against it in register_kv_caches.
-        self.view = scheduler_view(kv_cache_config, self.block_size)
+        # The scheduler's view (group kinds, physical block size, hit alignment); raises
+        # UnsupportedLayoutError for unknown specs. Workers check their full byte layout against it in
+        # register_kv_caches. Keys follow the physical block, not vLLM's (possibly finer) hash unit.
+        self.view = scheduler_view(kv_cache_config)
+        self.block_size = self.view.block_size
         self.kinds = list(self.view.kinds)
         if not any(kind is not GroupKind.SKIP for kind in self.kinds):
             raise UnsupportedLayoutError("KVOffloadConnector: no prefix-cacheable KV cache group")

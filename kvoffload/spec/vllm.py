@@ -138,10 +138,24 @@ class KindsLayout:
                    tuple(KindsGroup(g.index, g.kind, g.name) for g in layout.cacheable_groups))
 
 
-def scheduler_view(kv_cache_config, block_size: int) -> KindsLayout:
-    """The scheduler's view: group kinds, `block_size` (the key chain's block), the hit alignment.
+def physical_block_size(kv_cache_config, kinds: list[GroupKind] | None = None) -> int:
+    """Tokens per block of the prefix cache: the LCM of the cacheable groups' physical blocks. Keys,
+    pages and block tables are all per physical block; vLLM's `hash_block_size` (its
+    `prefix_match_unit`, possibly finer) only says where vLLM's own hits may land, and every group's
+    block is a multiple of it, so a hit on whole physical blocks is also on its grid."""
+    kinds = group_kinds(kv_cache_config) if kinds is None else kinds
+    sizes = [int(g.kv_cache_spec.block_size) for g, k in zip(kv_cache_config.kv_cache_groups, kinds)
+             if k is not GroupKind.SKIP]
+    if not sizes:
+        raise UnsupportedLayoutError("no prefix-cacheable KV cache group: nothing to offload")
+    return lcm(*sizes)
+
+
+def scheduler_view(kv_cache_config) -> KindsLayout:
+    """The scheduler's view: group kinds, the physical block (the key chain's block), the hit alignment.
     The same from the scheduler's copy of the config as from a worker's (see `_scheduler_specs`)."""
     kinds = group_kinds(kv_cache_config)  # raises UnsupportedLayoutError for unknown specs
+    block_size = physical_block_size(kv_cache_config, kinds)
     kpool = _index_kpool(kinds, [_scheduler_specs(g) for g in kv_cache_config.kv_cache_groups])
     return KindsLayout(block_size, _hit_alignment(kv_cache_config, block_size, kpool), tuple(kinds),
                        tuple(KindsGroup(i, k, group_name(i, k)) for i, k in enumerate(kinds) if k is not GroupKind.SKIP))
@@ -218,7 +232,7 @@ def from_vllm(kv_cache_config, *, model_id: str = "", tp_rank: int = 0, tp_size:
     if not cacheable:
         raise UnsupportedLayoutError("no prefix-cacheable KV cache group: nothing to offload")
     index_kpool = _index_kpool(kinds, specs_per_group)
-    block_size = lcm(*(g.block_size for g in cacheable))
+    block_size = physical_block_size(kv_cache_config, kinds)
     hash_block_size = kv_cache_config.hash_block_size or block_size
     alignment = _hit_alignment(kv_cache_config, block_size, index_kpool)
     return CacheLayout(

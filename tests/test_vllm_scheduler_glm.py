@@ -610,8 +610,8 @@ def test_disagreeing_worker_layout_fails_at_register(tmp_path, monkeypatch):
 
     real_view = facade.scheduler_view
 
-    def view_without_the_mla_group(kv_cache_config, block_size):
-        view = real_view(kv_cache_config, block_size)
+    def view_without_the_mla_group(kv_cache_config):
+        view = real_view(kv_cache_config)
         return replace(view, cacheable_groups=view.cacheable_groups[:-1])
 
     monkeypatch.setattr(facade, "scheduler_view", view_without_the_mla_group)

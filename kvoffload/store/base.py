@@ -185,6 +185,11 @@ class Store(ABC):
                 self._counters[name] += delta
 
     max_key_bytes: int | None = None  # a tier's key length limit, if it has one
+    entry_overhead: int = 0  # bytes a tier adds to each value, counted against max_entry_bytes
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a value of `nbytes` can ever be stored here (a smaller capacity refuses it on every put)."""
+        return nbytes + self.entry_overhead <= self.max_entry_bytes
 
     @property
     def max_entry_bytes(self) -> int:

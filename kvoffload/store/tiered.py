@@ -126,6 +126,9 @@ class TieredStore(Store):
     def in_place(self) -> bool:  # type: ignore[override]
         return self.front.in_place
 
+    def fits(self, nbytes: int) -> bool:
+        return self.back.fits(nbytes)  # a value too large for the front goes straight to the back
+
     def _fits_front(self, nbytes: int) -> bool:
         return nbytes <= self.front.max_entry_bytes
 

@@ -179,3 +179,32 @@ def test_qwen3_next_finer_prefix_match_unit(qwen_dir, tmp_path, unit):
                                   engine_kwargs=kwargs)
     _assert_served([cold[0]], [restarted[0]])
     assert warm[0]["num_external_cached_tokens"] % 64 == 0
+
+
+@pytest.mark.parametrize("tier", ["memory", "lmdb"])
+def test_reset_connector_clears_the_store(llama_dir, tmp_path, tier):
+    """`llm.reset_prefix_cache(reset_connector=True)` between rounds: it reports success and the warm
+    round gets nothing from the connector (same tokens, recomputed); the store is refilled and serves
+    again (LMDB: a restarted engine)."""
+    url = store_url(tier, tmp_path)
+    cold, warm = vh.run_generations(llama_dir, connector(url), [[PROMPT_A, PROMPT_B]] * 2, dtype="float32",
+                                    block_size=BLOCK, reset_connector=True)  # the harness raises on False
+    for c, w in zip(cold, warm):
+        assert w["tokens"] == c["tokens"]
+        assert w["num_external_cached_tokens"] == 0 and w["num_local_cached_tokens"] == 0
+    if tier == "lmdb":
+        (again,) = vh.run_restart(llama_dir, connector(url), [[PROMPT_A, PROMPT_B]], dtype="float32",
+                                  block_size=BLOCK)
+        _assert_served(cold, again, [64, 96])
+
+
+def test_a_store_smaller_than_a_page_is_a_warning_not_an_error_per_save(llama_dir):
+    """A capacity below one page: one WARNING at start-up, the engine serves, saves skip quietly."""
+    result = vh.run_generations(llama_dir, connector("memory://?capacity=1KiB"), [[PROMPT_A, PROMPT_B]] * 2,
+                                dtype="float32", block_size=BLOCK)
+    cold, warm = result
+    assert [w["tokens"] for w in warm] == [c["tokens"] for c in cold]
+    assert all(w["num_external_cached_tokens"] == 0 for w in warm)
+    assert result.log.count("raise its capacity") == 1
+    assert "save failed" not in result.log
+    assert not [line for line in result.log.splitlines() if "ERROR" in line and "kvoffload" in line.lower()]

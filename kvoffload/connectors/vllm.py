@@ -111,15 +111,17 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         identity = repr((model_id, str(vllm_config.model_config.dtype), vllm_config.cache_config.cache_dtype,
                          self.block_size, [(k.value, tuple(g.layer_names))
                                            for k, g in zip(self.kinds, kv_cache_config.kv_cache_groups)]))
-        self.chain = KeyChain(identity.encode(), self.block_size, namespace=extra.get("namespace", "vllm"))
+        self.namespace = str(extra.get("namespace", "vllm"))
+        self.chain = KeyChain(identity.encode(), self.block_size, namespace=self.namespace)
         self.connector_scheduler: _Scheduler | None = None
         self.connector_worker: _Worker | None = None
         if role == KVConnectorRole.SCHEDULER:
             workers = max(int(getattr(parallel, "world_size", 1) or 1), 1)
-            self.connector_scheduler = _Scheduler(self.view, self.chain, self.store_url, self.tp_size, workers)
+            self.connector_scheduler = _Scheduler(self.view, self.chain, self.store_url, self.tp_size, workers,
+                                                  self.namespace)
         else:
             self.connector_worker = _Worker(kv_cache_config, self.view, self.store_url, model_id, self.tp_rank,
-                                            self.tp_size)
+                                            self.tp_size, self.namespace)
 
     # ------------------------------------------------------------------ scheduler side
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
@@ -151,6 +153,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         A request still waiting for a load is held by vLLM itself until the load reports."""
         assert self.connector_scheduler is not None
         return self.connector_scheduler.request_finished(request, block_ids)
+
+    def reset_cache(self) -> bool:
+        """`reset_prefix_cache(reset_connector=True)`: forget this namespace's cached prefixes (see
+        `_Scheduler.reset_cache`); False, with the reason logged, where that cannot be done."""
+        return self.connector_scheduler.reset_cache() if self.connector_scheduler is not None else True
 
     def request_finished_all_groups(self, request: Request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished(request, block_ids)

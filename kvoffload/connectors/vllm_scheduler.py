@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ..spec import GroupKind, KeyChain, page_key, request_salt
 from ..spec.vllm import KindsLayout, group_name
 from ..store import parse_url, shared_store
+from ..store.url import redact_url
 from .plan import hit_blocks
 from .vllm_shared import KVOffloadMetadata, LoadJob, SaveJob, StoredPages, rank_keys
 
@@ -41,6 +42,10 @@ class _MirrorIndex:
             self.used += size
             while self.used > self.capacity and self.sizes:
                 self.used -= self.sizes.popitem(last=False)[1]
+
+    def clear(self) -> None:
+        self.used = 0
+        self.sizes.clear()
 
     def contains_many(self, keys: list[bytes]) -> list[bool]:
         found = [k in self.sizes for k in keys]
@@ -83,14 +88,19 @@ class _PinnedJob:
 class _Scheduler:
     """The scheduler process's half: plans on `layout` (kinds only), keys requests with `chain`."""
 
-    def __init__(self, layout: KindsLayout, chain: KeyChain, store_url: str, tp_size: int, workers: int):
-        self.layout, self.chain, self.tp_size = layout, chain, tp_size
+    def __init__(self, layout: KindsLayout, chain: KeyChain, store_url: str, tp_size: int, workers: int,
+                 namespace: str = "vllm"):
+        self.layout, self.chain, self.tp_size, self.namespace = layout, chain, tp_size, namespace
         self.kinds = list(layout.kinds)
         self.block_size = layout.block_size
         self.counters: Counter[str] = Counter()
         self._requests: dict[str, _RequestState] = {}
         self._mirror = _mirror_for(store_url)
-        self._store_presence = self._mirror.contains_many if self._mirror else shared_store(store_url).contains_many
+        self._store = None if self._mirror else shared_store(store_url)  # a memory store lives in the workers
+        if self._store is not None:
+            self._store.claim(namespace)
+        self._store_presence = self._mirror.contains_many if self._mirror else self._store.contains_many
+        self._clear_workers = False
         self._block_pool = None  # vLLM binds it after construction
         self._next_job = 0
         self._pinned: dict[int, _PinnedJob] = {}
@@ -172,7 +182,30 @@ class _Scheduler:
                 state.sent_saves = True
                 meta.saves.append(job)
         meta.await_saves, self._await_saves = self._await_saves, []
+        meta.clear_store, self._clear_workers = self._clear_workers, False
         return meta
+
+    def reset_cache(self) -> bool:
+        """Clear the store for `reset_prefix_cache(reset_connector=True)`. Keys are digests, so a store
+        is cleared whole, and only if no other namespace ever claimed it (`Store.clear`); not while a
+        save is in flight (it would land after the clear). This process clears a persistent store now;
+        workers clear their own copy (a memory tier, values waiting to be written behind) before the
+        next step's loads and saves. False, with the reason logged, when nothing was cleared."""
+        if self._pinned:
+            log.warning("KVOffloadConnector: reset_cache refused: %d save job(s) still in flight; retry once "
+                        "the engine is idle", len(self._pinned))
+            return False
+        if self._store is not None and not self._store.clear(self.namespace):
+            log.warning("KVOffloadConnector: reset_cache: the store %s was not cleared (see above)",
+                        redact_url(self._store.url))
+            return False
+        if self._mirror is not None:
+            self._mirror.clear()
+        for state in self._requests.values():  # their saved pages are gone: save them again
+            state.saved_blocks, state.loaded = 0, (0, 0)
+        self._clear_workers = True
+        self.counters["resets"] += 1
+        return True
 
     def _pin(self, job: SaveJob) -> None:
         """Reference the job's blocks in vLLM's pool until the workers report it (see kvoffload.connectors.vllm)."""

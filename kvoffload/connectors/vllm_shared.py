@@ -31,6 +31,7 @@ class KVOffloadMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
     await_saves: list[str] = field(default_factory=list)  # finished requests to report via finished_sending
+    clear_store: bool = False  # the scheduler cleared the store (reset_cache): workers clear their own copy
 
 
 @dataclass

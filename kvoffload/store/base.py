@@ -80,6 +80,17 @@ class Store(ABC):
     def close(self) -> None:
         """Release resources; the store must not be used afterwards."""
 
+    # -- clearing (a connector's reset) ---------------------------------------------------------------
+    # Keys are digests: no tier can tell which deployment wrote an entry. So a tier remembers who uses it
+    # (`claim`, a key namespace) and clears everything only while nobody else ever did.
+    def claim(self, owner: str) -> None:
+        """Record that `owner` (a key namespace) keeps entries here; `clear` refuses once others did."""
+
+    def clear(self, owner: str) -> bool:
+        """Remove every entry if `owner` is the only namespace that claimed this tier; False (nothing
+        removed) when others did or the tier cannot clear (here: the default)."""
+        return False
+
     # -- in-place access (the pinned arena implements these without a copy) ----------------------------
     in_place: bool = False  # True when write_many / acquire hand out the tier's own (pinned) memory
 

@@ -436,6 +436,21 @@ class TieredStore(Store):
         self.front.release(p.lease for p in stale)
         return self.back.delete(key) or in_front or bool(stale)
 
+    def claim(self, owner: str) -> None:
+        self.front.claim(owner)
+        self.back.claim(owner)
+
+    def clear(self, owner: str) -> bool:
+        """Both tiers and the values waiting to be written behind; nothing changes if the back refuses."""
+        with self._lock:
+            self._changed.wait_for(lambda: not self._inflight)  # a batch committing now cannot come back
+            if not self.back.clear(owner):
+                return False
+            stale = [self._unqueue(key) for key in list(self._queue)]
+            self.front.clear(owner)
+        self.front.release(p.lease for p in stale)
+        return True
+
     # -- figures and shutdown -------------------------------------------------------------------------
     def _usage(self) -> dict[str, int]:
         usage = {}

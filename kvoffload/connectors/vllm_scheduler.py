@@ -101,6 +101,8 @@ class _Scheduler:
             self._store.claim(namespace)
         self._store_presence = self._mirror.contains_many if self._mirror else self._store.contains_many
         self._clear_workers = False
+        self._resets = 0  # reset_cache generations
+        self._uncleared = 0  # workers yet to report clearing for the latest one (no hits until then)
         self._block_pool = None  # vLLM binds it after construction
         self._next_job = 0
         self._pinned: dict[int, _PinnedJob] = {}
@@ -136,7 +138,7 @@ class _Scheduler:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         state = self._state(request)
         have = num_computed_tokens // self.block_size
-        if num_computed_tokens % self.block_size or state.load_failed:
+        if num_computed_tokens % self.block_size or state.load_failed or self._uncleared > 0:
             return 0, False
         try:  # rank 0's pages stand for all ranks' (a rank that misses fails its load: recomputed)
             total = hit_blocks(self.layout, rank_keys(state.block_keys, 0, self.tp_size),
@@ -182,15 +184,16 @@ class _Scheduler:
                 state.sent_saves = True
                 meta.saves.append(job)
         meta.await_saves, self._await_saves = self._await_saves, []
-        meta.clear_store, self._clear_workers = self._clear_workers, False
+        meta.clear_store, self._clear_workers = self._resets if self._clear_workers else 0, False
         return meta
 
     def reset_cache(self) -> bool:
         """Clear the store for `reset_prefix_cache(reset_connector=True)`. Keys are digests, so a store
         is cleared whole, and only if no other namespace ever claimed it (`Store.clear`); not while a
         save is in flight (it would land after the clear). This process clears a persistent store now;
-        workers clear their own copy (a memory tier, values waiting to be written behind) before the
-        next step's loads and saves. False, with the reason logged, when nothing was cleared."""
+        workers clear their own copy (a memory tier, values still to be written behind, which could
+        land after this clear) before the next step's loads and saves, and no lookup hits until every
+        worker has reported doing so. False, with the reason logged, when nothing was cleared."""
         if self._pinned:
             log.warning("KVOffloadConnector: reset_cache refused: %d save job(s) still in flight; retry once "
                         "the engine is idle", len(self._pinned))
@@ -203,8 +206,8 @@ class _Scheduler:
             self._mirror.clear()
         for state in self._requests.values():  # their saved pages are gone: save them again
             state.saved_blocks, state.loaded = 0, (0, 0)
-        self._clear_workers = True
-        self.counters["resets"] += 1
+        self._resets += 1
+        self._clear_workers, self._uncleared = True, self._workers
         return True
 
     def _pin(self, job: SaveJob) -> None:
@@ -269,6 +272,7 @@ class _Scheduler:
     def update_connector_output(self, connector_output) -> None:
         report = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(report, StoredPages):
+            self._uncleared -= report.cleared.get(self._resets, 0)
             if self._mirror is not None:
                 self._mirror.update(report)
             for job_id, count in report.done_jobs.items():

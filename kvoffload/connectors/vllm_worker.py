@@ -73,6 +73,7 @@ class _Worker:
             self._report.added.clear()
             if not self.offloader.store.clear(self.namespace):
                 log.warning("KVOffloadConnector: worker %d could not clear its store", self.tp_rank)
+            self._report.cleared[meta.clear_store] = 1
         for job in meta.loads:
             self.jobs.submit_load(job.req_id, self._rank_keys(job.block_keys), job.start, job.end, job.block_ids)
 
@@ -114,7 +115,7 @@ class _Worker:
 
     def build_connector_worker_meta(self) -> StoredPages | None:
         report, self._report = self._report, StoredPages()
-        return report if report.added or report.missing or report.done_jobs else None
+        return report if report.added or report.missing or report.done_jobs or report.cleared else None
 
     def get_kv_connector_stats(self) -> KVOffloadStats | None:
         if self.offloader is None:

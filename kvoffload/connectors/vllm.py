@@ -22,6 +22,8 @@ runs): vLLM copies align-mode recurrent states between blocks before a forward, 
 place one step ahead; and a failed or corrupt load is reported as `failed_recving`, the one recompute
 path vLLM has for hybrid models.
 A request whose load failed is not offered a load again: it recomputes (and its pages are saved again).
+`reset_prefix_cache(reset_connector=True)` clears the store where that is safe, else reports False
+(`_Scheduler.reset_cache`).
 
 Nothing waits for the store inside the engine step: the worker submits loads and saves to one background
 thread (`jobs`) and reports them in a later step. The scheduler pins every block a save job reads (a

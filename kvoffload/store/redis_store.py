@@ -243,6 +243,12 @@ class RedisStore(Store):
     def _key(self, key: bytes) -> bytes:
         return self.prefix + key
 
+    def clear(self, owner: str) -> bool:
+        log.warning("Redis store %s: not cleared: a Redis store is shared by design, and kvoffload does not "
+                    "know who else uses it; clear it with Redis's own tools (its keys start with %r)",
+                    self.url, self.prefix.decode(errors="replace"))
+        return False
+
     # -- the Store primitives --------------------------------------------------------------------------
     def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
         views = self._views(items, overhead=self.entry_overhead)

@@ -204,8 +204,10 @@ class _Scheduler:
             return False
         if self._mirror is not None:
             self._mirror.clear()
-        for state in self._requests.values():  # their saved pages are gone: save them again
-            state.saved_blocks, state.loaded = 0, (0, 0)
+        # Live requests' saved pages are gone: save them again. `loaded` stays, so a boundary a load
+        # wrote into (possibly failing later) is still never saved.
+        for state in self._requests.values():
+            state.saved_blocks = 0
         self._resets += 1
         self._clear_workers, self._uncleared = True, self._workers
         return True

@@ -220,6 +220,8 @@ def test_finer_prefix_match_unit_keeps_the_physical_block(unit):
     assert view.block_size == layout.block_size and view == KindsLayout.of(layout)
     check_agreement(view, layout)
     assert view.hit_alignment % layout.block_size == 0 and view.hit_alignment % unit == 0
+    # The same pages and keys as without the option: entries stay readable when it changes across runs.
+    assert layout.fingerprint == from_vllm(vllm_layouts.qwen3_next_like_config()).fingerprint
 
 
 def test_disagreeing_views_are_refused(glm_config, glm):

@@ -233,10 +233,12 @@ def from_vllm(kv_cache_config, *, model_id: str = "", tp_rank: int = 0, tp_size:
         raise UnsupportedLayoutError("no prefix-cacheable KV cache group: nothing to offload")
     index_kpool = _index_kpool(kinds, specs_per_group)
     block_size = physical_block_size(kv_cache_config, kinds)
-    hash_block_size = kv_cache_config.hash_block_size or block_size
     alignment = _hit_alignment(kv_cache_config, block_size, index_kpool)
     return CacheLayout(
-        model_id=model_id, groups=tuple(groups), block_size=block_size, hash_block_size=hash_block_size,
+        model_id=model_id, groups=tuple(groups), block_size=block_size,
+        # kvoffload's keys are per physical block whatever vLLM's hash unit (its prefix_match_unit): the
+        # fingerprint must not change with it, or equal keys would name entries another run cannot read.
+        hash_block_size=block_size,
         hit_alignment=alignment, num_blocks=int(kv_cache_config.num_blocks),
         buffer_sizes=(sizes.pop() if sizes else 0,), index_kpool=index_kpool, tp_rank=tp_rank, tp_size=tp_size,
         extra=tuple(sorted((extra or {}).items())))

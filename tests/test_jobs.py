@@ -160,3 +160,30 @@ def test_threads_saving_loading_and_evicting_give_byte_exact_pages():
             assert _same(offloader, *submitted[result.job_id], 4), result.job_id
     assert loads and any(r.ok for r in loads)
     jobs.close()
+
+
+@pytest.mark.parametrize("url", ["memory://?capacity=1KiB&pinned=false", "lmdb://{tmp}/store?capacity=64KiB"])
+def test_a_store_smaller_than_a_page_is_said_once_and_saves_skip_quietly(tmp_path, caplog, url):
+    """A capacity below one page: one WARNING at start-up naming the capacity and the page size; every
+    save then skips (counted), without an ERROR per save."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        cache, store, offloader = _setup(url.format(tmp=tmp_path))
+        page = max(g.used_bytes_per_block for g in offloader.layout.cacheable_groups)
+        assert not store.fits(page)
+        jobs = Jobs(offloader)
+        for round in range(3):
+            keys = _keys(f"r{round}", 4)
+            jobs.submit_save(round, _save_pages(offloader, keys, list(range(4))))
+        _drained(jobs)
+        results = jobs.poll()
+        jobs.close()
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "raise its capacity" in r.message]
+    assert len(warnings) == 1 and f"a page is {page} bytes" in warnings[0].message
+    assert f"capacity {store.capacity} bytes" in warnings[0].message
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert all(not r.written for r in results) and len(results) == 3
+    assert offloader.counters["save_skipped_too_large"] == 3 * len(_save_pages(offloader, _keys("x", 4), range(4)))
+    assert store.stats()["entries"] == 0
+    store.close()

@@ -197,11 +197,31 @@ def test_scheduler_view_agrees_with_worker_layout(builder):
 
     config = getattr(vllm_layouts, builder)()
     layout = from_vllm(config)
-    view = scheduler_view(generate_scheduler_kv_cache_config([config]), config.hash_block_size)
-    assert view == scheduler_view(config, config.hash_block_size) == KindsLayout.of(layout)
+    view = scheduler_view(generate_scheduler_kv_cache_config([config]))
+    assert view == scheduler_view(config) == KindsLayout.of(layout)
     assert [(g.index, g.kind, g.name) for g in view.cacheable_groups] == \
         [(g.index, g.kind, g.name) for g in layout.cacheable_groups]
     check_agreement(view, layout)
+
+
+@pytest.mark.parametrize("unit", [16, 48])  # the model's block is 144
+def test_finer_prefix_match_unit_keeps_the_physical_block(unit):
+    """vLLM's `prefix_match_unit` (its hash_block_size) finer than the hybrid's physical block: keys,
+    pages and hits stay per physical block, in both views; a hit is also on vLLM's finer grid."""
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+
+    from kvoffload.spec.vllm import KindsLayout, check_agreement, scheduler_view
+
+    config = vllm_layouts.qwen3_next_like_config(prefix_match_unit=unit)
+    layout = from_vllm(config)
+    physical = {g.kv_cache_spec.block_size for g in config.kv_cache_groups}
+    assert config.hash_block_size == unit and physical == {layout.block_size} and layout.block_size > unit
+    view = scheduler_view(generate_scheduler_kv_cache_config([config]))
+    assert view.block_size == layout.block_size and view == KindsLayout.of(layout)
+    check_agreement(view, layout)
+    assert view.hit_alignment % layout.block_size == 0 and view.hit_alignment % unit == 0
+    # The same pages and keys as without the option: entries stay readable when it changes across runs.
+    assert layout.fingerprint == from_vllm(vllm_layouts.qwen3_next_like_config()).fingerprint
 
 
 def test_disagreeing_views_are_refused(glm_config, glm):
@@ -209,7 +229,7 @@ def test_disagreeing_views_are_refused(glm_config, glm):
 
     from kvoffload.spec.vllm import check_agreement, scheduler_view
 
-    view = scheduler_view(glm_config, glm.block_size)
+    view = scheduler_view(glm_config)
     with pytest.raises(UnsupportedLayoutError, match=r"disagree; hit_alignment: scheduler 768, worker 384"):
         check_agreement(replace(view, hit_alignment=2 * view.hit_alignment), glm)
     with pytest.raises(UnsupportedLayoutError, match="block_size: scheduler 192, worker 384"):
@@ -235,7 +255,7 @@ def _conv_layout_config(monkeypatch, layout: str):
 def _context(config):
     from kvoffload.spec.vllm import key_context, scheduler_view
 
-    return key_context(scheduler_view(config, config.hash_block_size), config, model_id="m",
+    return key_context(scheduler_view(config), config, model_id="m",
                        model_dtype="bfloat16", cache_dtype="auto")
 
 
@@ -256,7 +276,7 @@ def test_conv_state_layout_is_in_keys_and_fingerprint(monkeypatch):
     assert _context(sd) != _context(ds)
     assert _context(sd) == _context(_conv_layout_config(monkeypatch, "SD"))  # deterministic
     with pytest.raises(UnsupportedLayoutError, match="contents: scheduler"):
-        check_agreement(scheduler_view(sd, sd.hash_block_size), ds_layout)
+        check_agreement(scheduler_view(sd), ds_layout)
 
 
 def test_attention_cache_layout_is_in_keys_and_fingerprint():

@@ -94,6 +94,16 @@ def test_namespaces_are_separate(server):
     assert b.get(b"k") is None and a.get(b"k") == b"v" * 10
 
 
+def test_clear_is_refused_with_a_reason_and_removes_nothing(server, caplog):
+    """A connector's reset never clears Redis: it is shared by design (said, and False)."""
+    store = open_store(f"redis://{server.address}/0?namespace=a", fingerprint=FP)
+    store.claim("vllm")
+    store.put(b"k", b"v" * 10)
+    assert store.clear("vllm") is False
+    assert store.get(b"k") == b"v" * 10
+    assert "Redis's own tools" in caplog.text
+
+
 def test_wrong_password_and_acl_users_fail_clearly_at_start(start_server):
     secured = start_server(password="s3cret")
     admin = __import__("redis").Redis(port=secured.port, password="s3cret")

@@ -117,3 +117,37 @@ def test_fingerprint_mismatch_is_a_counted_miss(tmp_path):
         assert store.stats()["fingerprint_mismatch"] == 1
     with open_store(url, fingerprint=b"layout-A") as store:  # left in place for its own layout
         assert store.get(b"k") == b"payload of layout A"
+
+
+def test_clear_removes_everything_for_its_only_namespace(any_store, tmp_path):
+    """A connector's reset: every entry gone (values waiting to be written behind too), the accounting
+    at zero, and the store usable again; a persistent tier remembers the claim across a reopen."""
+    any_store.claim("ns-a")
+    values = {f"c{i}".encode(): _value(i, 70000) for i in range(6)}
+    assert any_store.put_many(list(values.items())) == [True] * len(values)
+    assert any_store.clear("ns-a") is True
+    assert any_store.contains_many(list(values)) == [False] * len(values)
+    assert any_store.get(b"c0") is None
+    if isinstance(any_store, TieredStore):
+        assert any_store.flush(10)
+        assert any_store.back.contains_many(list(values)) == [False] * len(values)
+    assert any_store.stats()["entries"] == 0 and any_store.stats()["bytes_used"] == 0
+    assert any_store.put(b"after", b"x" * 5000) and any_store.get(b"after") == b"x" * 5000
+
+
+def test_clear_refuses_a_store_another_namespace_uses(any_store):
+    any_store.claim("ns-a")
+    any_store.claim("ns-b")
+    assert any_store.put(b"k", b"value")
+    assert any_store.clear("ns-a") is False
+    assert any_store.get(b"k") == b"value"
+
+
+def test_lmdb_remembers_its_namespaces_across_reopens(tmp_path):
+    url = store_urls(tmp_path)["lmdb"]
+    with open_store(url) as first:
+        first.claim("other-deployment")
+        assert first.put(b"k", b"value")
+    with open_store(url) as second:
+        second.claim("ns-a")
+        assert second.clear("ns-a") is False and second.get(b"k") == b"value"

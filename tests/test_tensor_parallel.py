@@ -80,9 +80,9 @@ def test_vllm_glm_stack_stores_replicated_groups_once_per_tp_group(tmp_path, tp)
     from vllm.v1.worker.utils import allocate_kv_cache
 
     cfg = vllm_layouts.glm53_flash_like_config(kda_num_heads=8 // tp)
-    view = scheduler_view(cfg, cfg.hash_block_size, tp_size=tp)
+    view = scheduler_view(cfg, tp_size=tp)
     assert [g.tp_replicas for g in view.cacheable_groups] == [1, 1, 1, tp]  # KDA x3 per rank, MLA + indexer shared
-    private = scheduler_view(cfg, cfg.hash_block_size, tp_size=tp, share_replicas=False)
+    private = scheduler_view(cfg, tp_size=tp, share_replicas=False)
     assert {g.tp_replicas for g in private.cacheable_groups} == {1}  # memory://: each rank's store is its own
     layouts = [from_vllm(cfg, model_id="m", tp_rank=r, tp_size=tp) for r in range(tp)]
     for layout in layouts:

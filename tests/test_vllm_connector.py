@@ -178,3 +178,49 @@ def test_store_is_never_read_under_another_conv_state_layout(qwen_dir, tmp_path)
     assert cold[0]["num_external_cached_tokens"] == 0, "pages written under SD served to a DS engine"
     assert cold[0]["num_cached_tokens"] == 0
     _assert_served(cold, warm)  # DS -> DS still hits, with the cold run's tokens
+
+
+@pytest.mark.parametrize("unit", [16, 32])
+def test_qwen3_next_finer_prefix_match_unit(qwen_dir, tmp_path, unit):
+    """vLLM's `prefix_match_unit` finer than the hybrid's physical block (64 tokens): pages and keys
+    follow the physical block, hits are whole blocks; cold, then warm after a local reset and after
+    a restart, on LMDB."""
+    url = store_url("lmdb", tmp_path)
+    kwargs = {"prefix_match_unit": unit}
+    cold, warm = vh.run_generations(qwen_dir, connector(url), [[LONG]] * 2, dtype="bfloat16", block_size=BLOCK,
+                                    engine_kwargs=kwargs)
+    _assert_served([cold[0]], [warm[0]])
+    (restarted,) = vh.run_restart(qwen_dir, connector(url), [[LONG]], dtype="bfloat16", block_size=BLOCK,
+                                  engine_kwargs=kwargs)
+    _assert_served([cold[0]], [restarted[0]])
+    assert warm[0]["num_external_cached_tokens"] % 64 == 0
+
+
+@pytest.mark.parametrize("tier", ["memory", "lmdb", "tiered"])
+def test_reset_connector_clears_the_store(llama_dir, tmp_path, tier):
+    """`llm.reset_prefix_cache(reset_connector=True)` after the cold round: it reports success and the
+    next round gets nothing from the connector (same tokens, recomputed); that round saves its pages
+    again, and after a plain local reset the third round is served from the store (so the worker's
+    own copy was cleared too: pages it still held would not have been saved and reported again)."""
+    # tiered: written through, so the third round's lookups (which read the disk tier) do not race the
+    # write-behind thread; clearing values still queued behind is tested in test_store_roundtrip.
+    url = store_url(tier, tmp_path) + ("&write=through" if tier == "tiered" else "")
+    cold, cleared, warm = vh.run_generations(llama_dir, connector(url), [[PROMPT_A, PROMPT_B]] * 3,
+                                             dtype="float32", block_size=BLOCK,
+                                             reset_connector=[True, False])  # the harness raises on False
+    for c, w in zip(cold, cleared):
+        assert w["tokens"] == c["tokens"]
+        assert w["num_external_cached_tokens"] == 0 and w["num_local_cached_tokens"] == 0
+    _assert_served(cold, warm, [64, 96])
+
+
+def test_a_store_smaller_than_a_page_is_a_warning_not_an_error_per_save(llama_dir):
+    """A capacity below one page: one WARNING at start-up, the engine serves, saves skip quietly."""
+    result = vh.run_generations(llama_dir, connector("memory://?capacity=1KiB"), [[PROMPT_A, PROMPT_B]] * 2,
+                                dtype="float32", block_size=BLOCK)
+    cold, warm = result
+    assert [w["tokens"] for w in warm] == [c["tokens"] for c in cold]
+    assert all(w["num_external_cached_tokens"] == 0 for w in warm)
+    assert result.log.count("raise its capacity") == 1
+    assert "save failed" not in result.log
+    assert not [line for line in result.log.splitlines() if "ERROR" in line and "kvoffload" in line.lower()]

@@ -576,6 +576,40 @@ def test_save_sources_stay_pinned_until_the_workers_report_them(tmp_path):
     assert not engine.connector.connector_scheduler._in_flight
 
 
+def test_reset_cache_waits_for_saves_and_for_the_workers_to_clear(tmp_path):
+    """`reset_prefix_cache(reset_connector=True)`: refused (False) while a save is in flight (it would
+    land after the clear); then the store is cleared at once, and no lookup hits until every worker
+    has reported clearing its own copy (told in the next step's metadata)."""
+    from types import SimpleNamespace
+
+    from kvoffload.connectors.vllm import StoredPages
+    from kvoffload.store import shared_store
+
+    vc, worker_cfg = _glm_vllm_config(BLOCK, f"lmdb://{tmp_path}/store?capacity=256MiB")
+    engine = _Engine(vc, worker_cfg)
+    engine.add("r", _prompt(7))
+    for _ in range(20):
+        if "r" not in engine.scheduler.requests or engine.scheduler.requests["r"].is_finished():
+            break
+        engine.step(report_saves=False)
+    connector, scheduler = engine.connector, engine.connector.connector_scheduler
+    assert connector.has_pending_block_frees()
+    assert connector.reset_cache() is False
+    engine.step()  # the saves are reported
+    store = shared_store(scheduler._store.url)
+    assert store.put(b"stale", b"x" * 100)
+    assert connector.reset_cache() is True
+    assert store.get(b"stale") is None
+    scheduler._store_presence = lambda keys: [True] * len(keys)  # say a late write landed after the clear
+    probe = engine.add("probe", _prompt(8))
+    assert connector.get_num_new_matched_tokens(probe, 0) == (0, False)
+    engine.step()
+    assert engine.steps[-1]["meta"].clear_store == 1
+    scheduler.update_connector_output(SimpleNamespace(kv_connector_worker_meta=StoredPages(cleared={1: 1}),
+                                                      failed_recving=None))
+    assert connector.get_num_new_matched_tokens(engine.add("probe2", _prompt(9)), 0)[0] > 0
+
+
 def _glm_kv_caches(worker_cfg):
     from vllm.v1.kv_cache_interface import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
@@ -626,8 +660,8 @@ def test_disagreeing_worker_layout_fails_at_register(tmp_path, monkeypatch):
 
     real_view = facade.scheduler_view
 
-    def view_without_the_mla_group(kv_cache_config, block_size, **options):
-        view = real_view(kv_cache_config, block_size, **options)
+    def view_without_the_mla_group(kv_cache_config, **options):
+        view = real_view(kv_cache_config, **options)
         return replace(view, cacheable_groups=view.cacheable_groups[:-1])
 
     monkeypatch.setattr(facade, "scheduler_view", view_without_the_mla_group)

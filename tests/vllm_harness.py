@@ -219,13 +219,14 @@ def run_generations(
     timeout: float = 600,
     max_model_len: int | None = None,
     engine_kwargs: dict | None = None,
-    reset_connector: bool = False,
+    reset_connector: bool | list[bool] = False,
     reset_between_rounds: bool = True,
 ) -> Rounds:
     """Run all ``rounds`` in ONE engine process (see the module docstring for the result).
 
-    Between rounds: ``llm.reset_prefix_cache(reset_connector=reset_connector)``; with the default
-    the connector's own store survives, so a later round can only get prefix hits from it.
+    Between rounds: ``llm.reset_prefix_cache(reset_connector=reset_connector)`` (a list: one value per
+    boundary between rounds); with the default the connector's own store survives, so a later round can
+    only get prefix hits from it. A reset that returns False raises in the child.
     ``reset_between_rounds=False`` skips the reset (later rounds then hit the local prefix cache).
     ``kv_transfer_config`` is passed as ``vllm.config.KVTransferConfig(**kv_transfer_config)``;
     ``engine_kwargs`` go to ``vllm.LLM`` on top of the harness defaults (``enforce_eager``,
@@ -332,7 +333,10 @@ def _child_generate(spec_path: str) -> None:
     results, metrics = [], []
     for i, prompts in enumerate(spec["rounds"]):
         if i > 0 and spec.get("reset", True):
-            if not llm.reset_prefix_cache(reset_connector=spec["reset_connector"]):
+            reset_connector = spec["reset_connector"]
+            if isinstance(reset_connector, list):
+                reset_connector = reset_connector[i - 1]
+            if not llm.reset_prefix_cache(reset_connector=reset_connector):
                 raise RuntimeError("llm.reset_prefix_cache() returned False")
         before = _counter_snapshot(llm)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

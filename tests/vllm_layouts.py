@@ -380,6 +380,7 @@ def qwen3_next_like_config(
     gdn_head_v_dim: int = 128,
     conv_kernel: int = 4,
     max_model_len: int = 4096,
+    prefix_match_unit: int | None = None,
 ):
     """Qwen3-Next-like hybrid: every 4th layer (3, 7, ...) is full attention
     ``model.layers.{i}.self_attn.attn`` (``FullAttentionSpec`` bf16), the rest
@@ -406,6 +407,7 @@ def qwen3_next_like_config(
         max_model_len=max_model_len, mamba_cache_mode="align", stub=True,
     )
     cc = vc.cache_config
+    cc.prefix_match_unit = prefix_match_unit  # vLLM's hash_block_size: None = the GCD of the groups' blocks
     num_spec = vc.num_speculative_tokens
     shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(
         1, gdn_num_k_heads, gdn_num_v_heads, gdn_head_k_dim, gdn_head_v_dim,

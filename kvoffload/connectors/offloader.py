@@ -17,6 +17,7 @@ import numpy as np
 
 from ..spec import CacheLayout
 from ..store import Store
+from ..store.url import redact_url
 from .plan import Page, hit_blocks, pages_for_load, pages_for_save
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,17 @@ class Offloader:
         self.counters: Counter[str] = Counter()
         self._counter_lock = threading.Lock()  # loads and saves may run on background threads (`jobs`)
         self.missing_keys: list[bytes] = []  # pages the last failed `load` did not find
+        # A store that can never take some group's page (a capacity below one page) can never serve a hit
+        # (a hit needs every group's page): said once here; saves are then skipped and counted, rather than
+        # an error on every save.
+        too_large = sorted((g.used_bytes_per_block, g.name) for g in layout.cacheable_groups
+                           if not store.fits(g.used_bytes_per_block))
+        self.saves_off = bool(too_large)
+        if too_large:
+            log.warning("kvoffload: store %s (capacity %d bytes) takes entries up to %d bytes, but a page is "
+                        "%d bytes (group %s): nothing is saved to or served from it (pages counted in "
+                        "save_skipped_too_large); raise its capacity", redact_url(store.url), store.capacity,
+                        store.max_entry_bytes - store.entry_overhead, *too_large[-1])
 
     def _count(self, **deltas: int) -> None:
         with self._counter_lock:
@@ -98,6 +110,9 @@ class Offloader:
     def save_pages(self, pages: Sequence[tuple[Page, int]], after=None) -> list[Page]:
         """Store explicit (page, physical block) pairs, skipping pages already stored; the pages written.
         `after` is the transfer's fence: the pages are read after the device work queued before it."""
+        if self.saves_off:
+            self._count(save_skipped_too_large=len(pages))
+            return []
         try:
             present = self.store.contains_many([p.key for p, _ in pages])
             todo = [(p, block) for (p, block), there in zip(pages, present) if not there]

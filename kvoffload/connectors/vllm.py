@@ -22,6 +22,8 @@ runs): vLLM copies align-mode recurrent states between blocks before a forward, 
 place one step ahead; and a failed or corrupt load is reported as `failed_recving`, the one recompute
 path vLLM has for hybrid models.
 A request whose load failed is not offered a load again: it recomputes (and its pages are saved again).
+`reset_prefix_cache(reset_connector=True)` clears the store where that is safe, else reports False
+(`_Scheduler.reset_cache`).
 
 Nothing waits for the store inside the engine step: the worker submits loads and saves to one background
 thread (`jobs`) and reports them in a later step. The scheduler pins every block a save job reads (a
@@ -111,15 +113,15 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         model_id = extra.get("model_id") or str(vllm_config.model_config.model)
         # The whole model config and the weights' content (or model_revision): any change, no old keys.
         self.model_identity = vllm_model_identity(vllm_config, extra.get("model_revision"))
-        self.block_size = kv_cache_config.hash_block_size or vllm_config.cache_config.block_size
-        # The scheduler's view (group kinds, block size, hit alignment); raises UnsupportedLayoutError for
-        # unknown specs. Workers check their full byte layout against it in register_kv_caches.
-        # Groups TP ranks hold identically (MLA latent, indexer) are stored once per TP group, unless
-        # each rank's store is private to its process (memory://).
+        # The scheduler's view (group kinds, physical block size, hit alignment, page contents, groups TP
+        # ranks share); raises UnsupportedLayoutError for unknown specs. Workers check their full byte
+        # layout against it in register_kv_caches. Keys follow the physical block, not vLLM's (possibly
+        # finer) hash unit. Groups TP ranks hold identically (MLA latent, indexer) are stored once per TP
+        # group, unless each rank's store is private to its process (memory://).
         share = parsed.scheme != "memory"
         dcp_size = int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
-        self.view = scheduler_view(kv_cache_config, self.block_size, tp_size=self.tp_size, dcp_size=dcp_size,
-                                   share_replicas=share)
+        self.view = scheduler_view(kv_cache_config, tp_size=self.tp_size, dcp_size=dcp_size, share_replicas=share)
+        self.block_size = self.view.block_size
         self.kinds = list(self.view.kinds)
         if not any(kind is not GroupKind.SKIP for kind in self.kinds):
             raise UnsupportedLayoutError("KVOffloadConnector: no prefix-cacheable KV cache group")
@@ -128,16 +130,18 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         context = key_context(self.view, kv_cache_config, model_id=f"{model_id}#{self.model_identity}",
                               model_dtype=str(vllm_config.model_config.dtype),
                               cache_dtype=str(vllm_config.cache_config.cache_dtype))
-        self.chain = KeyChain(context, self.block_size, namespace=extra.get("namespace", "vllm"))
+        self.namespace = str(extra.get("namespace", "vllm"))
+        self.chain = KeyChain(context, self.block_size, namespace=self.namespace)
         self.connector_scheduler: _Scheduler | None = None
         self.connector_worker: _Worker | None = None
         if role == KVConnectorRole.SCHEDULER:
             workers = max(int(getattr(parallel, "world_size", 1) or 1), 1)
-            self.connector_scheduler = _Scheduler(self.view, self.chain, self.store_url, self.tp_size, workers)
+            self.connector_scheduler = _Scheduler(self.view, self.chain, self.store_url, self.tp_size, workers,
+                                                  self.namespace)
         else:
             self.connector_worker = _Worker(kv_cache_config, self.view, self.store_url,
                                             f"{model_id}#{self.model_identity}", self.tp_rank, self.tp_size,
-                                            dcp_size=dcp_size, share_replicas=share)
+                                            self.namespace, dcp_size=dcp_size, share_replicas=share)
 
     # ------------------------------------------------------------------ scheduler side
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
@@ -169,6 +173,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         A request still waiting for a load is held by vLLM itself until the load reports."""
         assert self.connector_scheduler is not None
         return self.connector_scheduler.request_finished(request, block_ids)
+
+    def reset_cache(self) -> bool:
+        """`reset_prefix_cache(reset_connector=True)`: forget this namespace's cached prefixes (see
+        `_Scheduler.reset_cache`); False, with the reason logged, where that cannot be done."""
+        return self.connector_scheduler.reset_cache() if self.connector_scheduler is not None else True
 
     def request_finished_all_groups(self, request: Request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished(request, block_ids)

@@ -16,6 +16,7 @@ COUNTERS = {
     "saved_pages": "pages written to the store",
     "saved_bytes": "bytes written to the store",
     "save_dropped": "pages the store could not take (full, failing disk)",
+    "save_skipped_too_large": "pages never saved: larger than the store takes (capacity below one page)",
     "checksum_failures": "stored entries that failed verification (read as misses)",
     "load_microseconds": "time spent loading",
     "save_microseconds": "time spent saving",

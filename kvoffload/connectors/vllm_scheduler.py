@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ..spec import GroupKind, KeyChain, request_salt
 from ..spec.vllm import KindsLayout
 from ..store import parse_url, shared_store
+from ..store.url import redact_url
 from .plan import hit_blocks, page
 from .vllm_shared import KVOffloadMetadata, LoadJob, SaveJob, StoredPages
 
@@ -41,6 +42,10 @@ class _MirrorIndex:
             self.used += size
             while self.used > self.capacity and self.sizes:
                 self.used -= self.sizes.popitem(last=False)[1]
+
+    def clear(self) -> None:
+        self.used = 0
+        self.sizes.clear()
 
     def contains_many(self, keys: list[bytes]) -> list[bool]:
         found = [k in self.sizes for k in keys]
@@ -83,14 +88,21 @@ class _PinnedJob:
 class _Scheduler:
     """The scheduler process's half: plans on `layout` (kinds only), keys requests with `chain`."""
 
-    def __init__(self, layout: KindsLayout, chain: KeyChain, store_url: str, tp_size: int, workers: int):
-        self.layout, self.chain, self.tp_size = layout, chain, tp_size
+    def __init__(self, layout: KindsLayout, chain: KeyChain, store_url: str, tp_size: int, workers: int,
+                 namespace: str = "vllm"):
+        self.layout, self.chain, self.tp_size, self.namespace = layout, chain, tp_size, namespace
         self.kinds = list(layout.kinds)
         self.block_size = layout.block_size
         self.counters: Counter[str] = Counter()
         self._requests: dict[str, _RequestState] = {}
         self._mirror = _mirror_for(store_url, workers)
-        self._store_presence = self._mirror.contains_many if self._mirror else shared_store(store_url).contains_many
+        self._store = None if self._mirror else shared_store(store_url)  # a memory store lives in the workers
+        if self._store is not None:
+            self._store.claim(namespace)
+        self._store_presence = self._mirror.contains_many if self._mirror else self._store.contains_many
+        self._clear_workers = False
+        self._resets = 0  # reset_cache generations
+        self._uncleared = 0  # workers yet to report clearing for the latest one (no hits until then)
         self._block_pool = None  # vLLM binds it after construction
         self._next_job = 0
         self._pinned: dict[int, _PinnedJob] = {}
@@ -126,7 +138,7 @@ class _Scheduler:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         state = self._state(request)
         have = num_computed_tokens // self.block_size
-        if num_computed_tokens % self.block_size or state.load_failed:
+        if num_computed_tokens % self.block_size or state.load_failed or self._uncleared > 0:
             return 0, False
         try:  # every TP rank's pages (the layout knows tp_size and which groups ranks share)
             total = hit_blocks(self.layout, state.block_keys, state.num_prompt_tokens, self._presence, have)
@@ -171,7 +183,33 @@ class _Scheduler:
                 state.sent_saves = True
                 meta.saves.append(job)
         meta.await_saves, self._await_saves = self._await_saves, []
+        meta.clear_store, self._clear_workers = self._resets if self._clear_workers else 0, False
         return meta
+
+    def reset_cache(self) -> bool:
+        """Clear the store for `reset_prefix_cache(reset_connector=True)`. Keys are digests, so a store
+        is cleared whole, and only if no other namespace ever claimed it (`Store.clear`); not while a
+        save is in flight (it would land after the clear). This process clears a persistent store now;
+        workers clear their own copy (a memory tier, values still to be written behind, which could
+        land after this clear) before the next step's loads and saves, and no lookup hits until every
+        worker has reported doing so. False, with the reason logged, when nothing was cleared."""
+        if self._pinned:
+            log.warning("KVOffloadConnector: reset_cache refused: %d save job(s) still in flight; retry once "
+                        "the engine is idle", len(self._pinned))
+            return False
+        if self._store is not None and not self._store.clear(self.namespace):
+            log.warning("KVOffloadConnector: reset_cache: the store %s was not cleared (see above)",
+                        redact_url(self._store.url))
+            return False
+        if self._mirror is not None:
+            self._mirror.clear()
+        # Live requests' saved pages are gone: save them again. `loaded` stays, so a boundary a load
+        # wrote into (possibly failing later) is still never saved.
+        for state in self._requests.values():
+            state.saved_blocks = 0
+        self._resets += 1
+        self._clear_workers, self._uncleared = True, self._workers
+        return True
 
     def _pin(self, job: SaveJob) -> None:
         """Reference the job's blocks in vLLM's pool until the workers report it (see kvoffload.connectors.vllm)."""
@@ -243,6 +281,7 @@ class _Scheduler:
     def update_connector_output(self, connector_output) -> None:
         report = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(report, StoredPages):
+            self._uncleared -= report.cleared.get(self._resets, 0)
             if self._mirror is not None:
                 self._mirror.update(report)
             for job_id, count in report.done_jobs.items():

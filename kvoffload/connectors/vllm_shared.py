@@ -29,21 +29,28 @@ class KVOffloadMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
     await_saves: list[str] = field(default_factory=list)  # finished requests to report via finished_sending
+    clear_store: int = 0  # a reset's generation (reset_cache; 0: none): workers clear their own copy
 
 
 @dataclass
 class StoredPages(KVConnectorWorkerMetadata):
     """Worker -> scheduler, every step: pages written (key -> bytes), pages a load did not find, and
-    save jobs done (job id -> number of workers reporting it). The scheduler mirrors a memory:// store
-    with it, since that store lives in the worker process, and unpins a job's blocks once every worker
-    has reported it."""
+    save jobs done (job id -> number of workers reporting it), workers that cleared their store. The
+    scheduler mirrors a memory:// store with it, since that store lives in the worker process, unpins a
+    job's blocks once every worker has reported it, and serves no hit after a reset until every worker
+    has cleared its own copy."""
 
     added: dict[bytes, int] = field(default_factory=dict)
     missing: set[bytes] = field(default_factory=set)
     done_jobs: dict[int, int] = field(default_factory=dict)
+    cleared: dict[int, int] = field(default_factory=dict)  # reset generation -> workers that cleared for it
 
     def aggregate(self, other: StoredPages) -> StoredPages:
         done = dict(self.done_jobs)
         for job, count in other.done_jobs.items():
             done[job] = done.get(job, 0) + count
-        return StoredPages({**self.added, **other.added}, self.missing | other.missing, done)
+        cleared = dict(self.cleared)
+        for generation, count in other.cleared.items():
+            cleared[generation] = cleared.get(generation, 0) + count
+        return StoredPages({**self.added, **other.added}, self.missing | other.missing, done, cleared)
+

@@ -27,8 +27,8 @@ class _Worker:
     worker's layout in `register_kv_caches`)."""
 
     def __init__(self, kv_cache_config, view: KindsLayout, store_url: str, model_id: str, tp_rank: int,
-                 tp_size: int, *, dcp_size: int = 1, share_replicas: bool = True):
-        self.kv_cache_config, self.view, self.store_url = kv_cache_config, view, store_url
+                 tp_size: int, namespace: str = "vllm", *, dcp_size: int = 1, share_replicas: bool = True):
+        self.kv_cache_config, self.view, self.store_url, self.namespace = kv_cache_config, view, store_url, namespace
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self._dcp_size, self._share_replicas = dcp_size, share_replicas
         self.offloader: Offloader | None = None
@@ -55,7 +55,9 @@ class _Worker:
         any_cache = any_cache[0] if isinstance(any_cache, (list, tuple)) else any_cache
         raw = torch.empty(0, dtype=torch.uint8, device=any_cache.device).set_(any_cache.untyped_storage())
         transfer = make_transfer(raw)
-        self.offloader = Offloader(shared_store(self.store_url, fingerprint=layout.fingerprint), layout, transfer)
+        store = shared_store(self.store_url, fingerprint=layout.fingerprint)
+        store.claim(self.namespace)
+        self.offloader = Offloader(store, layout, transfer)
         self.jobs = Jobs(self.offloader, name=f"kvoffload-tp{self.tp_rank}")
         self.layout = layout
         log.info("KVOffloadConnector: %s, %d bytes stored per block", self.store_url,
@@ -65,6 +67,11 @@ class _Worker:
         """Submit this step's loads; they finish in the background (reported by get_transfer_results)."""
         if not isinstance(meta, KVOffloadMetadata) or self.jobs is None:
             return
+        if meta.clear_store:  # before this step's loads and saves; no save is in flight (see reset_cache)
+            self._report.added.clear()
+            if not self.offloader.store.clear(self.namespace):
+                log.warning("KVOffloadConnector: worker %d could not clear its store", self.tp_rank)
+            self._report.cleared[meta.clear_store] = 1
         for job in meta.loads:
             self.jobs.submit_load(job.req_id, job.block_keys, job.start, job.end, job.block_ids)
 
@@ -105,7 +112,7 @@ class _Worker:
 
     def build_connector_worker_meta(self) -> StoredPages | None:
         report, self._report = self._report, StoredPages()
-        return report if report.added or report.missing or report.done_jobs else None
+        return report if report.added or report.missing or report.done_jobs or report.cleared else None
 
     def get_kv_connector_stats(self) -> KVOffloadStats | None:
         if self.offloader is None:

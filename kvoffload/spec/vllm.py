@@ -247,12 +247,26 @@ class KindsLayout:
                    tuple(g.content for g in layout.groups), layout.tp_size)
 
 
-def scheduler_view(kv_cache_config, block_size: int, *, tp_size: int = 1, dcp_size: int = 1,
+def physical_block_size(kv_cache_config, kinds: list[GroupKind] | None = None) -> int:
+    """Tokens per block of the prefix cache: the LCM of the cacheable groups' physical blocks. Keys,
+    pages and block tables are all per physical block; vLLM's `hash_block_size` (its
+    `prefix_match_unit`, possibly finer) only says where vLLM's own hits may land, and every group's
+    block is a multiple of it, so a hit on whole physical blocks is also on its grid."""
+    kinds = group_kinds(kv_cache_config) if kinds is None else kinds
+    sizes = [int(g.kv_cache_spec.block_size) for g, k in zip(kv_cache_config.kv_cache_groups, kinds)
+             if k is not GroupKind.SKIP]
+    if not sizes:
+        raise UnsupportedLayoutError("no prefix-cacheable KV cache group: nothing to offload")
+    return lcm(*sizes)
+
+
+def scheduler_view(kv_cache_config, *, tp_size: int = 1, dcp_size: int = 1,
                    share_replicas: bool = True) -> KindsLayout:
-    """The scheduler's view: group kinds, page contents, `block_size` (the key chain's block), the hit
-    alignment, which groups TP ranks share. The same from the scheduler's copy of the config as from a
-    worker's (`_scheduler_specs`)."""
+    """The scheduler's view: group kinds, page contents, the physical block (the key chain's block), the
+    hit alignment, which groups TP ranks share. The same from the scheduler's copy of the config as from
+    a worker's (`_scheduler_specs`)."""
     kinds = group_kinds(kv_cache_config)  # raises UnsupportedLayoutError for unknown specs
+    block_size = physical_block_size(kv_cache_config, kinds)
     specs = [_scheduler_specs(g) for g in kv_cache_config.kv_cache_groups]
     kpool = _index_kpool(kinds, specs)
     groups = tuple(KindsGroup(i, k, group_name(i, k), _group_replicas(specs[i], tp_size, dcp_size, share_replicas))
@@ -354,11 +368,13 @@ def from_vllm(kv_cache_config, *, model_id: str = "", tp_rank: int = 0, tp_size:
     if not cacheable:
         raise UnsupportedLayoutError("no prefix-cacheable KV cache group: nothing to offload")
     index_kpool = _index_kpool(kinds, specs_per_group)
-    block_size = lcm(*(g.block_size for g in cacheable))
-    hash_block_size = kv_cache_config.hash_block_size or block_size
+    block_size = physical_block_size(kv_cache_config, kinds)
     alignment = _hit_alignment(kv_cache_config, block_size, index_kpool)
     return CacheLayout(
-        model_id=model_id, groups=tuple(groups), block_size=block_size, hash_block_size=hash_block_size,
+        model_id=model_id, groups=tuple(groups), block_size=block_size,
+        # kvoffload's keys are per physical block whatever vLLM's hash unit (its prefix_match_unit): the
+        # fingerprint must not change with it, or equal keys would name entries another run cannot read.
+        hash_block_size=block_size,
         hit_alignment=alignment, num_blocks=int(kv_cache_config.num_blocks),
         buffer_sizes=(sizes.pop() if sizes else 0,), index_kpool=index_kpool, tp_rank=tp_rank, tp_size=tp_size,
         extra=tuple(sorted((extra or {}).items())))

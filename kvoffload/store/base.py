@@ -80,6 +80,17 @@ class Store(ABC):
     def close(self) -> None:
         """Release resources; the store must not be used afterwards."""
 
+    # -- clearing (a connector's reset) ---------------------------------------------------------------
+    # Keys are digests: no tier can tell which deployment wrote an entry. So a tier remembers who uses it
+    # (`claim`, a key namespace) and clears everything only while nobody else ever did.
+    def claim(self, owner: str) -> None:
+        """Record that `owner` (a key namespace) keeps entries here; `clear` refuses once others did."""
+
+    def clear(self, owner: str) -> bool:
+        """Remove every entry if `owner` is the only namespace that claimed this tier; False (nothing
+        removed) when others did or the tier cannot clear (here: the default)."""
+        return False
+
     # -- in-place access (the pinned arena implements these without a copy) ----------------------------
     in_place: bool = False  # True when write_many / acquire hand out the tier's own (pinned) memory
 
@@ -185,6 +196,11 @@ class Store(ABC):
                 self._counters[name] += delta
 
     max_key_bytes: int | None = None  # a tier's key length limit, if it has one
+    entry_overhead: int = 0  # bytes a tier adds to each value, counted against max_entry_bytes
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a value of `nbytes` can ever be stored here (a smaller capacity refuses it on every put)."""
+        return nbytes + self.entry_overhead <= self.max_entry_bytes
 
     @property
     def max_entry_bytes(self) -> int:

@@ -64,6 +64,7 @@ _OPEN_WAIT_SECONDS = 60.0
 _DISK_RESERVE = 20  # never take the last 1/20 of a filesystem's space at open
 _MIN_MAP = _MAP_SLACK + (1 << 20)
 MIN_CAPACITY = 64 << 10
+_OWNER = b"owner:"  # info records: the key namespaces that use this directory (see Store.clear)
 # An open that finds these has a damaged file (not a permission or I/O problem): reset it.
 _DAMAGE = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError, lmdb.PanicError,
            lmdb.IncompatibleError, lmdb.BadValsizeError, lmdb.BadChecksumError, lmdb.ProblemError)
@@ -606,6 +607,43 @@ class LMDBStore(Store):
             self._warn_once("delete", "LMDB store %s: delete failed: %s", self.path, exc)
             return 0
         return sum(r is not None for r in removed)
+
+    def claim(self, owner: str) -> None:
+        """Recorded in the file: every process and later run sees who uses this directory."""
+        try:
+            with self._write_lock, self._env.begin(write=True) as txn:
+                txn.put(_OWNER + owner.encode(), b"", db=self._info)
+        except lmdb.Error as exc:
+            self._warn_once("claim", "LMDB store %s: cannot record namespace %r: %s", self.path, owner, exc)
+
+    def clear(self, owner: str) -> bool:
+        """Every entry, in one transaction (readers keep their snapshot), if no other namespace ever
+        claimed this directory; the byte accounting restarts at zero."""
+        try:
+            with self._write_lock, self._env.begin(write=True, buffers=True) as txn:
+                cursor = txn.cursor(db=self._info)
+                owners = set()
+                if cursor.set_range(_OWNER):
+                    for key in cursor.iternext(values=False):
+                        if not bytes(key).startswith(_OWNER):
+                            break
+                        owners.add(bytes(key)[len(_OWNER):].decode(errors="replace"))
+                others = owners - {owner}
+                if not others:
+                    tick, _ = self._read_counters(txn)
+                    for db in (self._data, self._meta, self._lru):
+                        txn.drop(db, delete=False)
+                    self._put_counters(txn, tick, 0)
+        except lmdb.Error as exc:
+            log.warning("LMDB store %s: clear failed: %s", self.path, exc)
+            return False
+        if others:
+            log.warning("LMDB store %s: not cleared: namespace(s) %s use it too (give each deployment its own "
+                        "directory, or delete this one)", self.path, sorted(others))
+            return False
+        with self._touch_lock:
+            self._pending_touches.clear()
+        return True
 
     def _usage(self) -> dict[str, int]:
         try:

@@ -88,6 +88,7 @@ class MemoryStore(Store):
         self._reserved = self._used = self._pending = 0  # arena bytes, value bytes, slots being filled
         self._limit = capacity  # lowered if the host refuses memory
         self._closed = False
+        self._owners: set[str] = set()  # namespaces that claimed this store (see Store.clear)
         if self.pinned if reserve is None else reserve:
             self._reserve_all()
 
@@ -367,6 +368,21 @@ class MemoryStore(Store):
             if present:
                 self._unindex(key)
         return present
+
+    def claim(self, owner: str) -> None:
+        with self._lock:
+            self._owners.add(owner)
+
+    def clear(self, owner: str) -> bool:
+        """Every value (held slots are freed at their last release); False if another namespace claimed it."""
+        with self._lock:
+            others = self._owners - {owner}
+            if not others:
+                for key in list(self._index):
+                    self._unindex(key)
+        if others:
+            log.warning("memory store %s: not cleared: namespace(s) %s use it too", self.url, sorted(others))
+        return not others
 
     def _usage(self) -> dict[str, int]:
         with self._lock:

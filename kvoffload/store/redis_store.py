@@ -62,6 +62,8 @@ def _timeout(text: str) -> float:
 
 
 class RedisStore(Store):
+    entry_overhead = entry.HEADER_BYTES
+
     def __init__(self, url: str, fingerprint: bytes | str | None = None):
         super().__init__()
         self.url = redact_url(url)  # what logs and stats show: never the password
@@ -241,9 +243,15 @@ class RedisStore(Store):
     def _key(self, key: bytes) -> bytes:
         return self.prefix + key
 
+    def clear(self, owner: str) -> bool:
+        log.warning("Redis store %s: not cleared: a Redis store is shared by design, and kvoffload does not "
+                    "know who else uses it; clear it with Redis's own tools (its keys start with %r)",
+                    self.url, self.prefix.decode(errors="replace"))
+        return False
+
     # -- the Store primitives --------------------------------------------------------------------------
     def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
-        views = self._views(items, overhead=entry.HEADER_BYTES)
+        views = self._views(items, overhead=self.entry_overhead)
         written = [False] * len(views)
         batch, size = [], 0
         for i, (key, view) in enumerate(views):

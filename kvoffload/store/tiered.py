@@ -138,6 +138,9 @@ class TieredStore(Store):
     def in_place(self) -> bool:  # type: ignore[override]
         return self.front.in_place
 
+    def fits(self, nbytes: int) -> bool:
+        return self.back.fits(nbytes)  # a value too large for the front goes straight to the back
+
     def _fits_front(self, nbytes: int) -> bool:
         return nbytes <= self.front.max_entry_bytes
 
@@ -470,6 +473,21 @@ class TieredStore(Store):
             in_front = self.front.delete(key)
         self.front.release(p.lease for p in stale)
         return self.back.delete(key) or in_front or bool(stale)
+
+    def claim(self, owner: str) -> None:
+        self.front.claim(owner)
+        self.back.claim(owner)
+
+    def clear(self, owner: str) -> bool:
+        """Both tiers and the values waiting to be written behind; nothing changes if the back refuses."""
+        with self._lock:
+            self._changed.wait_for(lambda: not self._inflight)  # a batch committing now cannot come back
+            if not self.back.clear(owner):
+                return False
+            stale = [self._unqueue(key) for key in list(self._queue)]
+            self.front.clear(owner)
+        self.front.release(p.lease for p in stale)
+        return True
 
     # -- figures and shutdown -------------------------------------------------------------------------
     def _usage(self) -> dict[str, int]:

@@ -163,6 +163,23 @@ def test_a_held_lease_is_never_overwritten_and_its_slot_is_reused_after_release(
 
 
 @pytest.mark.parametrize("evict", ["lru", "s3fifo"])
+def test_leased_entries_stay_indexed_and_intact_under_eviction_pressure(evict):
+    store = MemoryStore(64 * KiB, pinned=False, evict=evict)  # 16 slots of 4 KiB
+    values = {b"v%d" % i: _bytes(i, 4096) for i in range(16)}
+    assert store.put_many(list(values.items())) == [True] * 16
+    leased = [b"v0", b"v1", b"v7", b"v15"]
+    leases = store.acquire(leased, touch=False)  # not a hit: only the hold protects them
+    for i in range(60):
+        assert store.put(b"new%d" % i, _bytes(100 + i, 4096))
+        assert all(store.contains(k) for k in leased), i
+    assert [lease.view.tobytes() for lease in leases] == [values[k] for k in leased]
+    store.release(leases)
+    assert [store.get(k) for k in leased] == [values[k] for k in leased]
+    assert store.stats()["entries"] == 16 and store.stats()["evictions"] == 60
+    audit(store)
+
+
+@pytest.mark.parametrize("evict", ["lru", "s3fifo"])
 def test_a_value_held_by_a_reader_is_evicted_only_after_the_read(evict):
     store = MemoryStore(16 * KiB, pinned=False, evict=evict)
     values = {b"r%d" % i: _bytes(i, 4096) for i in range(4)}
@@ -186,6 +203,7 @@ def test_nothing_evictable_drops_the_put_and_counts_it(evict):
     assert store.put_many([(b"h%d" % i, b"x" * 4096) for i in range(4)]) == [True] * 4
     leases = store.acquire([b"h%d" % i for i in range(4)])
     assert store.put(b"more", b"y" * 10) is False
+    assert all(store.contains(b"h%d" % i) for i in range(4))  # held: still there, not evicted
     seen = []
     assert store.write_many([(b"w", 10)], lambda dests: seen.extend(dests) or [False]) == [False]
     assert seen == [None]

@@ -169,3 +169,27 @@ def test_the_option_selects_the_policy_per_store_and_a_bad_value_names_the_choic
     assert not (tmp_path / "m").exists()  # refused before anything was opened
     with pytest.raises(StoreConfigError, match="lru or s3fifo"):
         MemoryStore(1 << 20, pinned=False, evict="clock")
+
+
+@pytest.mark.parametrize("evict", ["lru", "s3fifo"])
+def test_the_vllm_scheduler_mirror_evicts_as_the_worker_memory_tier_does(evict):
+    """vLLM's scheduler predicts a worker's memory:// tier from its reports: with the same policy."""
+    from kvoffload.connectors.vllm_scheduler import _mirror_for
+    from kvoffload.connectors.vllm_shared import StoredPages
+
+    url = f"memory://?capacity=64KiB&pinned=false&evict={evict}"
+    store, mirror = open_store(url), _mirror_for(url, 1)
+    rng = np.random.default_rng(11)
+    hot = [b"hot%d" % i for i in range(6)]
+    for step in range(400):
+        key = hot[step % 6] if rng.random() < 0.4 else b"scan%d" % step
+        if mirror.contains_many([key])[0]:  # a lookup the scheduler answers, then the worker's load
+            assert store.get(key) == _value(step % 6 if key in hot else step)
+        else:
+            assert store.get(key) is None
+            assert store.put(key, _value(step % 6 if key in hot else step))
+            mirror.update(StoredPages(added={key: 4096}))
+        assert set(mirror.sizes) == set(store._index), step
+    assert all(k in mirror.sizes for k in hot) is (evict == "s3fifo")
+    with pytest.raises(StoreConfigError, match="lru or s3fifo"):
+        _mirror_for("memory://?evict=arc", 1)

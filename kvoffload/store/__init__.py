@@ -38,7 +38,7 @@ def _auto_bool(option: str | None, name: str) -> bool | None:
     return parse_bool(option, name)
 
 
-def _evict(opts: dict[str, str], scheme: str) -> str:
+def evict_option(opts: dict[str, str], scheme: str) -> str:
     """The memory tier's eviction policy (evict=, default lru)."""
     name = opts.get("evict", "lru").strip().lower()
     if name not in POLICIES:
@@ -56,7 +56,7 @@ def open_store(url: str, *, fingerprint: bytes | str | None = None) -> Store:
             raise StoreConfigError(f"memory:// takes no path, got {redact_url(parsed.path)!r} in {redact_url(url)!r}")
         capacity = parse_size(opts.get("capacity", DEFAULT_MEMORY_CAPACITY), "memory capacity")
         return MemoryStore(capacity, pinned=_auto_bool(opts.get("pinned"), "pinned"), url=url,
-                           reserve=_auto_bool(opts.get("reserve"), "reserve"), evict=_evict(opts, "memory"))
+                           reserve=_auto_bool(opts.get("reserve"), "reserve"), evict=evict_option(opts, "memory"))
     if parsed.scheme == "lmdb":
         opts = parsed.take({"capacity"})
         if not parsed.path:
@@ -110,7 +110,7 @@ def _tiered(url: str, opts: dict[str, str], fingerprint) -> Store:
                                f"{redact_url(url)!r}")
     front = MemoryStore(parse_size(opts.get("memory", DEFAULT_MEMORY_CAPACITY), "memory capacity"),
                         pinned=_auto_bool(opts.get("pinned"), "pinned"),
-                        reserve=_auto_bool(opts.get("reserve"), "reserve"), evict=_evict(opts, "tiered"))
+                        reserve=_auto_bool(opts.get("reserve"), "reserve"), evict=evict_option(opts, "tiered"))
     backs = []
     if "lmdb" in opts:
         backs.append(LMDBStore(opts["lmdb"], parse_size(opts.get("lmdb_capacity", DEFAULT_LMDB_CAPACITY),

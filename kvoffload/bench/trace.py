@@ -122,7 +122,8 @@ class _Replay:
         self.per_request: list[tuple[int, int, int]] = []  # (hit tokens, memory bytes, disk bytes)
         self.store = self.front = None
         if admit is not None and disk is None:
-            self.store = self.front = open_store(f"memory://?capacity={MEMORY_CAPACITY // SCALE}&pinned=false&evict={evict}")
+            self.store = self.front = open_store(f"memory://?capacity={MEMORY_CAPACITY // SCALE}&pinned=false"
+                                                 f"&evict={evict}")
         elif admit is not None:
             self.store = open_store(f"tiered://?memory={MEMORY_CAPACITY // SCALE}&lmdb={directory}"
                                     f"&lmdb_capacity={disk // SCALE}&pinned=false&admit={admit}&evict={evict}")

@@ -160,3 +160,12 @@ def test_trace_benchmark_json(tmp_path):
         assert row["disk_written_bytes"] + row["disk_dropped_bytes"] == row["memory_written_bytes"]
     for row in admitted:  # admission writes only what was used again
         assert 0 < row["disk_written_bytes"] < everything[0]["disk_written_bytes"]
+    # S3-FIFO in memory beside LRU: memory only, and with a disk storing everything or admitting at 2 uses
+    s3fifo = [r for r in rows.values() if r["evict"] == "s3fifo"]
+    assert rows["memory only, S3-FIFO"] in s3fifo and rows["memory only, S3-FIFO"]["disk_written_bytes"] == 0
+    for row in s3fifo:
+        twin = rows[row["policy"].replace(", S3-FIFO memory", "").replace("S3-FIFO", "LRU")]
+        assert twin["evict"] == "lru" and (twin["admit"], twin["disk_capacity"]) == (row["admit"], row["disk_capacity"])
+        assert 0 < row["hit_tokens"] < row["prompt_tokens"] and row["ttft_saved_s_total"] > 0
+        assert row["memory_evictions"] > 0 and row["prompt_tokens"] == twin["prompt_tokens"]
+    assert {(r["admit"], bool(r["disk_capacity"])) for r in s3fifo} == {(1, False), (1, True), (2, True)}

@@ -1,5 +1,6 @@
 """The memory tier's pinned arena: size-class slots in chunks under a hard byte cap, LRU eviction that
-moves memory between classes, held slots (reads, leases, in-flight writes) that nothing overwrites."""
+moves memory between classes, held slots (reads, leases, in-flight writes) that nothing overwrites; the
+invariants again with each eviction policy (evict=lru|s3fifo)."""
 
 import threading
 import time
@@ -35,6 +36,11 @@ def audit(store: MemoryStore) -> None:
         assert chunk.carved <= (chunk.size // chunk.slot_bytes if chunk.slot_bytes else 0)
     for slot, n in store._index.values():
         assert n <= store._chunks[slot >> 32].slot_bytes
+    policy = store._policy  # the eviction policy orders exactly the indexed keys
+    tracked = policy._order if store.evict == "lru" else {**policy._small, **policy._main}
+    assert set(tracked) == set(store._index)
+    if store.evict == "s3fifo":
+        assert set(policy._freq) == set(store._index) and policy._small_bytes == sum(policy._small.values())
 
 
 def test_byte_exact_round_trips_across_size_classes():
@@ -57,9 +63,10 @@ def test_byte_exact_round_trips_across_size_classes():
     audit(store)
 
 
-def test_capacity_is_never_exceeded_under_a_random_mixed_workload():
+@pytest.mark.parametrize("evict", ["lru", "s3fifo"])
+def test_capacity_is_never_exceeded_under_a_random_mixed_workload(evict):
     cap = 1 << 20
-    store = MemoryStore(cap, pinned=False)
+    store = MemoryStore(cap, pinned=False, evict=evict)
     rng = np.random.default_rng(3)
     model: dict[bytes, bytes] = {}
     leases = []
@@ -132,8 +139,9 @@ def test_eviction_is_least_recently_used_and_moves_memory_between_classes():
     audit(store)
 
 
-def test_a_held_lease_is_never_overwritten_and_its_slot_is_reused_after_release():
-    store = MemoryStore(64 * KiB, pinned=False)  # 16 slots of 4 KiB
+@pytest.mark.parametrize("evict", ["lru", "s3fifo"])
+def test_a_held_lease_is_never_overwritten_and_its_slot_is_reused_after_release(evict):
+    store = MemoryStore(64 * KiB, pinned=False, evict=evict)  # 16 slots of 4 KiB
     original = _bytes(1, 4096)
     assert store.put(b"k", original)
     (lease,) = store.acquire([b"k"])
@@ -154,8 +162,26 @@ def test_a_held_lease_is_never_overwritten_and_its_slot_is_reused_after_release(
     audit(store)
 
 
-def test_a_value_held_by_a_reader_is_evicted_only_after_the_read():
-    store = MemoryStore(16 * KiB, pinned=False)
+@pytest.mark.parametrize("evict", ["lru", "s3fifo"])
+def test_leased_entries_stay_indexed_and_intact_under_eviction_pressure(evict):
+    store = MemoryStore(64 * KiB, pinned=False, evict=evict)  # 16 slots of 4 KiB
+    values = {b"v%d" % i: _bytes(i, 4096) for i in range(16)}
+    assert store.put_many(list(values.items())) == [True] * 16
+    leased = [b"v0", b"v1", b"v7", b"v15"]
+    leases = store.acquire(leased, touch=False)  # not a hit: only the hold protects them
+    for i in range(60):
+        assert store.put(b"new%d" % i, _bytes(100 + i, 4096))
+        assert all(store.contains(k) for k in leased), i
+    assert [lease.view.tobytes() for lease in leases] == [values[k] for k in leased]
+    store.release(leases)
+    assert [store.get(k) for k in leased] == [values[k] for k in leased]
+    assert store.stats()["entries"] == 16 and store.stats()["evictions"] == 60
+    audit(store)
+
+
+@pytest.mark.parametrize("evict", ["lru", "s3fifo"])
+def test_a_value_held_by_a_reader_is_evicted_only_after_the_read(evict):
+    store = MemoryStore(16 * KiB, pinned=False, evict=evict)
     values = {b"r%d" % i: _bytes(i, 4096) for i in range(4)}
     store.put_many(list(values.items()))
     seen = []
@@ -171,11 +197,13 @@ def test_a_value_held_by_a_reader_is_evicted_only_after_the_read():
     audit(store)
 
 
-def test_nothing_evictable_drops_the_put_and_counts_it():
-    store = MemoryStore(16 * KiB, pinned=False)
+@pytest.mark.parametrize("evict", ["lru", "s3fifo"])
+def test_nothing_evictable_drops_the_put_and_counts_it(evict):
+    store = MemoryStore(16 * KiB, pinned=False, evict=evict)
     assert store.put_many([(b"h%d" % i, b"x" * 4096) for i in range(4)]) == [True] * 4
     leases = store.acquire([b"h%d" % i for i in range(4)])
     assert store.put(b"more", b"y" * 10) is False
+    assert all(store.contains(b"h%d" % i) for i in range(4))  # held: still there, not evicted
     seen = []
     assert store.write_many([(b"w", 10)], lambda dests: seen.extend(dests) or [False]) == [False]
     assert seen == [None]
@@ -287,8 +315,9 @@ def _check(kid: int, view) -> None:
     assert np.array_equal(got, _value(kid, int(ver), int(n))), f"torn value for key {kid}"
 
 
-def test_concurrent_mixed_operations_stay_consistent():
-    store = MemoryStore(512 * KiB, pinned=False)
+@pytest.mark.parametrize("evict", ["lru", "s3fifo"])
+def test_concurrent_mixed_operations_stay_consistent(evict):
+    store = MemoryStore(512 * KiB, pinned=False, evict=evict)
     nkeys, errors, deadline = 24, [], time.monotonic() + 3.0
     sizes = [100, 4096, 9000, 20000, 50000]
 

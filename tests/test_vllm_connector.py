@@ -26,7 +26,7 @@ def connector(store: str, **extra) -> dict:
 
 
 def store_url(tier: str, tmp_path) -> str:
-    return {"memory": "memory://?capacity=512MiB",
+    return {"memory": "memory://?capacity=512MiB", "memory-s3fifo": "memory://?capacity=512MiB&evict=s3fifo",
             "lmdb": f"lmdb://{tmp_path}/store?capacity=1GiB",
             "tiered": f"tiered://?memory=128MiB&lmdb={tmp_path}/store&lmdb_capacity=1GiB"}[tier]
 
@@ -51,7 +51,7 @@ def _assert_served(cold, warm, expected_external=None):
         assert [w["num_external_cached_tokens"] for w in warm] == expected_external
 
 
-@pytest.mark.parametrize("tier", ["memory", "lmdb", "tiered"])
+@pytest.mark.parametrize("tier", ["memory", "memory-s3fifo", "lmdb", "tiered"])
 def test_llama_cold_reset_warm(llama_dir, tmp_path, tier):
     cold, warm = vh.run_generations(llama_dir, connector(store_url(tier, tmp_path)), [[PROMPT_A, PROMPT_B]] * 2,
                                     dtype="float32", block_size=BLOCK)

@@ -19,7 +19,7 @@ def _bars(ax, labels, series: dict[str, list[float]]):
     width = 0.8 / len(series)
     for i, (name, values) in enumerate(series.items()):
         ax.bar([x + i * width - 0.4 + width / 2 for x in range(len(labels))], values, width, label=name)
-    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_xticks(range(len(labels)), labels, fontsize=8 if len(labels) < 10 else 6)
 
 
 def _store(ax, result):
@@ -129,10 +129,17 @@ def _stall(ax, result):
 
 def _trace(ax, result):
     rows = result["results"]
-    labels = [r["policy"].replace(" (", "\n(") for r in rows]
+    short = (("memory + disk ", "disk "), (" GiB", "G"), ("store everything", "all"), ("memory only", "memory"),
+             (", S3-FIFO memory", ", S3-FIFO"), ("no offload", "none"), (", ", "\n"))
+    labels = []
+    for row in rows:
+        labels.append(row["policy"])
+        for long, brief in short:
+            labels[-1] = labels[-1].replace(long, brief)
+    everything = next(r for r in rows if r["disk_capacity"] and r["admit"] == 1)["disk_written_bytes"]
     _bars(ax, labels, {"token hit rate (%)": [100 * r["hit_rate_tokens"] for r in rows],
                        "disk written (% of store-everything)": [
-                           100 * r["disk_written_bytes"] / max(rows[1]["disk_written_bytes"], 1) for r in rows]})
+                           100 * r["disk_written_bytes"] / max(everything, 1) for r in rows]})
     ax.set(ylabel="%", title=f"Policies on a trace of {result['requests']} requests (block {result['block_size']})")
 
 

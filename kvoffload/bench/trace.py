@@ -16,7 +16,7 @@ change it with your own measurement) minus the time to move the hit bytes from m
 (LINK_GBPS, measured on the H200 machine by `bench datapath`) and from disk (a raw sequential read on this
 machine, measured in the same run, page cache dropped for the file). Baselines in the same run: no
 offload, memory only, and store-everything LRU (`admit=1`), each tier set-up with a roomy disk and with
-one under pressure.
+one under pressure. The memory tier's eviction policy is LRU, and S3-FIFO (`evict=s3fifo`) beside it.
 """
 
 from __future__ import annotations
@@ -38,10 +38,12 @@ PREFILL_TOKENS_PER_S = 8000.0  # assumption: GLM-5.3-Flash prefill on one H200; 
 LINK_GBPS = 52.5  # host -> device through the memory tier, H200 machine (BENCHMARKS.md, bench datapath)
 MEMORY_CAPACITY = 64 << 30  # model bytes of host memory for KV (one GPU's share)
 DISK_CAPACITIES = (1 << 40, 256 << 30)  # model bytes of local disk for KV: roomy, then under pressure
-# (name, disk capacity or None: memory only, admit); "no offload" stores nothing
-POLICIES = (("no offload", None, None), ("memory only, LRU", None, 1),
-            *((f"memory + disk {d >> 30} GiB, {'store everything' if a == 1 else f'admit={a}'}", d, a)
-              for d in DISK_CAPACITIES for a in (1, 2, 3)))
+# (name, disk capacity or None: memory only, admit, memory eviction); "no offload" stores nothing
+POLICIES = (("no offload", None, None, "lru"), ("memory only, LRU", None, 1, "lru"),
+            ("memory only, S3-FIFO", None, 1, "s3fifo"),
+            *((f"memory + disk {d >> 30} GiB, {'store everything' if a == 1 else f'admit={a}'}"
+               f"{', S3-FIFO memory' if e == 's3fifo' else ''}", d, a, e)
+              for d in DISK_CAPACITIES for a in (1, 2, 3) for e in ("lru", "s3fifo") if e == "lru" or a < 3))
 
 
 @dataclass(frozen=True)
@@ -111,8 +113,8 @@ def _raw_disk_read_gbps(tmp: str, nbytes: int) -> float:
 class _Replay:
     """One policy's run over the trace: a fresh store, counters at model size."""
 
-    def __init__(self, layout, disk: int | None, admit: int | None, directory: str):
-        self.layout, self.admit, self.disk = layout, admit, disk
+    def __init__(self, layout, disk: int | None, admit: int | None, evict: str, directory: str):
+        self.layout, self.admit, self.disk, self.evict = layout, admit, disk, evict
         self.size = {g.name: -(-g.used_bytes_per_block // SCALE) for g in layout.cacheable_groups}
         self.payload = bytes(max(self.size.values()))
         self.totals = dict.fromkeys(("prompt_tokens", "hit_tokens", "memory_read_bytes", "disk_read_bytes",
@@ -120,10 +122,11 @@ class _Replay:
         self.per_request: list[tuple[int, int, int]] = []  # (hit tokens, memory bytes, disk bytes)
         self.store = self.front = None
         if admit is not None and disk is None:
-            self.store = self.front = open_store(f"memory://?capacity={MEMORY_CAPACITY // SCALE}&pinned=false")
+            self.store = self.front = open_store(f"memory://?capacity={MEMORY_CAPACITY // SCALE}&pinned=false"
+                                                 f"&evict={evict}")
         elif admit is not None:
             self.store = open_store(f"tiered://?memory={MEMORY_CAPACITY // SCALE}&lmdb={directory}"
-                                    f"&lmdb_capacity={disk // SCALE}&pinned=false&admit={admit}")
+                                    f"&lmdb_capacity={disk // SCALE}&pinned=false&admit={admit}&evict={evict}")
             self.front = self.store.front
 
     def _model_bytes(self, pages) -> int:
@@ -161,7 +164,7 @@ class _Replay:
         saved = [hit / PREFILL_TOKENS_PER_S - memory / (LINK_GBPS * 1e9) - disk / (disk_gbps * 1e9)
                  for hit, memory, disk in self.per_request]
         stats = self.store.stats() if self.store is not None else {}
-        row = {"policy": name, "admit": self.admit, "disk_capacity": self.disk, **self.totals,
+        row = {"policy": name, "admit": self.admit, "disk_capacity": self.disk, "evict": self.evict, **self.totals,
                "hit_rate_tokens": round(self.totals["hit_tokens"] / self.totals["prompt_tokens"], 4),
                "disk_written_bytes": int(stats.get("behind_written_bytes", 0)) * SCALE,
                # a request's pages beyond behind_bytes (half the memory tier) stay in memory only
@@ -188,8 +191,8 @@ def run(quick: bool = False, progress=None, seed: int = 0) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvoffload-trace-") as tmp:
         disk_gbps = _raw_disk_read_gbps(tmp, (64 << 20) if quick else (1 << 30))
         say(f"[bench trace] raw sequential disk read here: {disk_gbps:.2f} GB/s")
-        for n, (name, disk, admit) in enumerate(POLICIES):
-            replay = _Replay(layout, disk, admit, os.path.join(tmp, f"store-{n}"))
+        for n, (name, disk, admit, evict) in enumerate(POLICIES):
+            replay = _Replay(layout, disk, admit, evict, os.path.join(tmp, f"store-{n}"))
             started = time.perf_counter()
             for i, request in enumerate(trace):
                 replay.request(chain, request.tokens)

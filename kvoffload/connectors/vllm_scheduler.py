@@ -24,24 +24,30 @@ log = logging.getLogger("kvoffload.connectors.vllm")
 
 
 class _MirrorIndex:
-    """The scheduler's view of a worker's memory tier: the same byte capacity and LRU order, fed by
-    `StoredPages`. A page it still believes present but the worker evicted fails its load and is
-    recomputed, never served wrong."""
+    """The scheduler's view of a worker's memory tier: the same byte capacity and eviction policy
+    (`evict=`), fed by `StoredPages`. A page it still believes present but the worker evicted fails its
+    load and is recomputed, never served wrong."""
 
-    def __init__(self, capacity: int):
-        from collections import OrderedDict
+    def __init__(self, capacity: int, evict: str = "lru"):
+        from ..store.eviction import make_policy
 
-        self.capacity, self.used, self.sizes = capacity, 0, OrderedDict()
+        self.capacity, self.used, self.sizes = capacity, 0, {}
+        self.policy = make_policy(evict, capacity)
+
+    def _drop(self, key: bytes) -> None:
+        self.used -= self.sizes.pop(key, 0)
+        self.policy.remove(key)
 
     def update(self, report: StoredPages) -> None:
         for key in report.missing:
-            self.used -= self.sizes.pop(key, 0)
+            self._drop(key)
         for key, size in report.added.items():
-            self.used -= self.sizes.pop(key, 0)
+            self._drop(key)
             self.sizes[key] = size
+            self.policy.insert(key, size)
             self.used += size
-            while self.used > self.capacity and self.sizes:
-                self.used -= self.sizes.popitem(last=False)[1]
+            while self.used > self.capacity and (victim := self.policy.victim(lambda k: True)) is not None:
+                self._drop(victim)
 
     def clear(self) -> None:
         self.used = 0
@@ -51,19 +57,20 @@ class _MirrorIndex:
         found = [k in self.sizes for k in keys]
         for key, there in zip(keys, found):
             if there:
-                self.sizes.move_to_end(key)
+                self.policy.touch(key)
         return found
 
 
 def _mirror_for(url: str, workers: int) -> _MirrorIndex | None:
     """LMDB (alone or behind memory) is read directly by the scheduler process; a memory tier lives in
     each worker process, so the scheduler mirrors them (together) from the workers' reports."""
-    from ..store import DEFAULT_MEMORY_CAPACITY, parse_size
+    from ..store import DEFAULT_MEMORY_CAPACITY, evict_option, parse_size
 
     parsed = parse_url(url)
     if parsed.scheme != "memory":
         return None
-    return _MirrorIndex(workers * parse_size(parsed.options.get("capacity", DEFAULT_MEMORY_CAPACITY)))
+    return _MirrorIndex(workers * parse_size(parsed.options.get("capacity", DEFAULT_MEMORY_CAPACITY)),
+                        evict_option(parsed.options, "memory"))
 
 
 @dataclass

@@ -1,11 +1,12 @@
 """WHERE bytes live: `open_store(url)` returns a `Store` for one of these tiers.
 
-    memory://?capacity=4GiB[&pinned=auto|true|false][&reserve=auto|true|false]
+    memory://?capacity=4GiB[&pinned=auto|true|false][&reserve=auto|true|false][&evict=lru|s3fifo]
         reserve: allocate the whole capacity at open (auto: when pinned; no save then waits for page-locking)
+        evict: which entry a full tier evicts (eviction.py): lru (default), or s3fifo (scan-resistant)
     lmdb:///abs/dir?capacity=100GiB
     redis://[user:password@]host:port/db?namespace=...   (rediss:// TLS; redis+cluster://h:p,h:p/ a cluster)
     tiered://?memory=4GiB&lmdb=/abs/dir&lmdb_capacity=100GiB[&redis=<redis URL, %-encoded if it has a query>]
-             [&write=behind|through][&behind_bytes=2GiB][&behind_age=30]
+             [&write=behind|through][&behind_bytes=2GiB][&behind_age=30][&evict=lru|s3fifo]
         write=behind (default): a put returns once in memory; a background thread writes the disk behind it
         (at most behind_bytes waiting, default min(memory/2, 2GiB); an entry waiting longer than behind_age
         seconds, default 30, is dropped: kept in memory only). write=through: a put returns once on disk.
@@ -17,6 +18,7 @@ import threading
 
 from .base import Store
 from .errors import EntryTooLargeError, IncompatibleStoreError, StoreConfigError
+from .eviction import POLICIES
 from .lmdb_store import LMDBStore
 from .memory import MemoryStore
 from .tiered import TieredStore
@@ -36,17 +38,25 @@ def _auto_bool(option: str | None, name: str) -> bool | None:
     return parse_bool(option, name)
 
 
+def evict_option(opts: dict[str, str], scheme: str) -> str:
+    """The memory tier's eviction policy (evict=, default lru)."""
+    name = opts.get("evict", "lru").strip().lower()
+    if name not in POLICIES:
+        raise StoreConfigError(f"{scheme}:// evict= takes {' or '.join(POLICIES)}, got {opts['evict'][:40]!r}")
+    return name
+
+
 def open_store(url: str, *, fingerprint: bytes | str | None = None) -> Store:
     """Open the store a URL names. `fingerprint` (the layout fingerprint) is stamped on every
     persistent entry and checked on every read: entries of another layout are never served."""
     parsed = parse_url(url)
     if parsed.scheme == "memory":
-        opts = parsed.take({"capacity", "pinned", "reserve"})
+        opts = parsed.take({"capacity", "pinned", "reserve", "evict"})
         if parsed.path not in ("", "/"):
             raise StoreConfigError(f"memory:// takes no path, got {redact_url(parsed.path)!r} in {redact_url(url)!r}")
         capacity = parse_size(opts.get("capacity", DEFAULT_MEMORY_CAPACITY), "memory capacity")
         return MemoryStore(capacity, pinned=_auto_bool(opts.get("pinned"), "pinned"), url=url,
-                           reserve=_auto_bool(opts.get("reserve"), "reserve"))
+                           reserve=_auto_bool(opts.get("reserve"), "reserve"), evict=evict_option(opts, "memory"))
     if parsed.scheme == "lmdb":
         opts = parsed.take({"capacity"})
         if not parsed.path:
@@ -60,7 +70,7 @@ def open_store(url: str, *, fingerprint: bytes | str | None = None) -> Store:
         return RedisStore(url, fingerprint=fingerprint)
     if parsed.scheme == "tiered":
         return _tiered(url, parsed.take({"memory", "lmdb", "lmdb_capacity", "pinned", "reserve", "redis", "write",
-                                         "behind_bytes", "behind_age", "admit"}), fingerprint)
+                                         "behind_bytes", "behind_age", "admit", "evict"}), fingerprint)
     raise StoreConfigError(f"unknown store scheme {parsed.scheme!r} in {redact_url(url)!r}: use memory://, lmdb://, "
                            "redis:// (rediss://, redis+cluster://) or tiered://")
 
@@ -100,7 +110,7 @@ def _tiered(url: str, opts: dict[str, str], fingerprint) -> Store:
                                f"{redact_url(url)!r}")
     front = MemoryStore(parse_size(opts.get("memory", DEFAULT_MEMORY_CAPACITY), "memory capacity"),
                         pinned=_auto_bool(opts.get("pinned"), "pinned"),
-                        reserve=_auto_bool(opts.get("reserve"), "reserve"))
+                        reserve=_auto_bool(opts.get("reserve"), "reserve"), evict=evict_option(opts, "tiered"))
     backs = []
     if "lmdb" in opts:
         backs.append(LMDBStore(opts["lmdb"], parse_size(opts.get("lmdb_capacity", DEFAULT_LMDB_CAPACITY),

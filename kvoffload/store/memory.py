@@ -1,4 +1,4 @@
-"""Host-memory tier: an LRU of values kept in an arena of large host-memory chunks.
+"""Host-memory tier: values kept in an arena of large host-memory chunks, evicted by LRU or S3-FIFO.
 
 Chunks are page-locked (pinned, through torch) when CUDA is present, so device copies from and into
 this tier run at link speed. Memory is reserved a chunk at a time, never per value: page-locking is a
@@ -7,6 +7,8 @@ is carved into slots of one size class (the value size rounded up to 4 KiB; a KV
 sizes); free slots are reused in O(1), and a chunk whose slots are all free goes back to a pool that
 any class takes from, so memory follows the workload. The capacity caps the chunk bytes. A pinned arena
 is reserved whole at open (`reserve`, default: when pinned), so no save ever waits for page-locking.
+Which entry makes room is the eviction policy's choice (`evict`, eviction.py: lru, the default, or
+s3fifo); the arena tells it of every insert, hit and removal, and asks it for a victim nobody holds.
 
 A slot can be held: by a reader while it consumes, by a lease (`acquire`) until `release`, by a
 `write_many` while its caller fills it. Held bytes are never evicted, reused or overwritten; a key
@@ -23,7 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
@@ -31,6 +33,7 @@ import numpy as np
 from .base import Lease, Reservation, Store
 from .buffers import Buffer
 from .errors import EntryTooLargeError, StoreConfigError
+from .eviction import POLICIES, make_policy
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +66,12 @@ class MemoryStore(Store):
     in_place = True
 
     def __init__(self, capacity: int, pinned: bool | None = None, url: str | None = None, *,
-                 chunk_bytes: int | None = None, reserve: bool | None = None):
+                 chunk_bytes: int | None = None, reserve: bool | None = None, evict: str = "lru"):
         super().__init__()
         self.capacity = capacity
+        if evict not in POLICIES:
+            raise StoreConfigError(f"memory store: evict= takes {' or '.join(POLICIES)}, got {str(evict)[:40]!r}")
+        self.evict = evict
         if pinned and not _cuda_present():
             raise StoreConfigError("memory store: pinned=true needs a CUDA or ROCm device (page-locking is a "
                                    "driver call); use pinned=auto or pinned=false on this machine")
@@ -77,7 +83,8 @@ class MemoryStore(Store):
         # New chunks take this much (or one slot, if larger): a small arena still holds several classes.
         self._grain = min(self.chunk_bytes, max(PAGE, 1 << max(0, (capacity // 16).bit_length() - 1)))
         self._lock = threading.Lock()
-        self._index: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (slot, nbytes), LRU first
+        self._index: dict[bytes, tuple[int, int]] = {}  # key -> (slot, nbytes)
+        self._policy = make_policy(evict, capacity)  # the order of the index's keys, for eviction
         self._chunks: dict[int, _Chunk] = {}
         self._open: dict[int, dict[int, _Chunk]] = {}  # slot bytes -> chunks with a free or uncarved slot
         self._pool: dict[int, _Chunk] = {}  # chunks with no slot in use
@@ -191,6 +198,7 @@ class MemoryStore(Store):
     def _unindex(self, key: bytes) -> int:
         """Drop `key` from the index; its slot is freed now, or by its last holder. Returns its bytes."""
         slot, nbytes = self._index.pop(key)
+        self._policy.remove(key)
         self._used -= nbytes
         if slot in self._holds:
             self._orphans.add(slot)
@@ -200,12 +208,12 @@ class MemoryStore(Store):
 
     def _reserve(self, key: bytes, cls: int, batch: dict[int, int], evicted: list[int]) -> int | None:
         """A slot for a new value of `key`, making room: the key's old value first, then the least
-        recently used unheld entry, then this batch's own earliest reservation. None: all held."""
+        policy's victim among unheld entries, then this batch's own earliest reservation. None: all held."""
         while (slot := self._take(cls)) is None:
             old = self._index.get(key)
             if old is not None and old[0] not in self._holds:
                 self._unindex(key)  # replaced anyway: not an eviction
-            elif (victim := self._lru_unheld()) is not None:
+            elif (victim := self._policy.victim(self._unheld)) is not None:
                 evicted[0] += 1  # counted once per batch: a save of many pages evicts many
                 evicted[1] += self._unindex(victim)
             elif batch:
@@ -214,16 +222,9 @@ class MemoryStore(Store):
                 return None
         return slot
 
-    def _lru_unheld(self) -> bytes | None:
-        """The least recently used entry nobody holds. A held entry met on the way counts as in use:
-        it moves to the recent end, so a long run of held entries (values waiting for the write-behind)
-        is stepped over once, not on every eviction."""
-        for _ in range(len(self._index)):
-            key = next(iter(self._index))
-            if self._index[key][0] not in self._holds:
-                return key
-            self._index.move_to_end(key)
-        return None
+    def _unheld(self, key: bytes) -> bool:
+        """May `key` be evicted: nobody holds its slot."""
+        return self._index[key][0] not in self._holds
 
     def _release_holds(self, slots: Iterable[int]) -> None:
         for slot in slots:
@@ -243,7 +244,7 @@ class MemoryStore(Store):
                 entry = self._index.get(key)
                 if entry is not None:
                     if touch:
-                        self._index.move_to_end(key)
+                        self._policy.touch(key)
                     self._holds[entry[0]] = self._holds.get(entry[0], 0) + 1
                     entry = (entry[0], self._view(*entry))
                 held.append(entry)
@@ -286,6 +287,7 @@ class MemoryStore(Store):
                 if key in self._index:
                     self._unindex(key)
                 self._index[key] = (slot, nbytes)
+                self._policy.insert(key, nbytes)
                 self._used += nbytes
                 written[i] = True
         ok, declined = sum(written), sum(1 for i in batch if not written[i])
@@ -397,5 +399,6 @@ class MemoryStore(Store):
             for table in (self._index, self._chunks, self._open, self._pool, self._holds, self._leases):
                 table.clear()
             self._orphans.clear()
+            self._policy.clear()
             self._reserved = self._used = 0
             self._closed = True

@@ -1,0 +1,145 @@
+"""Which entry a full memory tier evicts: LRU, or S3-FIFO, which a one-off scan cannot flush.
+
+LRU lets every new key push out the least recently used one, so a long prompt read once (a document)
+evicts a working set that is hit again and again (a shared system prompt, an agent's context). S3-FIFO
+(Yang et al., "FIFO queues are all you need for cache eviction", SOSP 2023) admits new keys to a small
+FIFO (10% of the capacity, in bytes here); a key hit while there moves on to the main FIFO when it
+reaches the small queue's end, the others leave, remembered in a ghost FIFO of keys only. A key found in
+the ghost goes straight to main. Main is a CLOCK: a 2-bit hit counter per entry, an entry at the end
+with hits left goes back to the front with one less.
+
+A policy orders keys only; the arena (memory.py) owns the values and calls it under its own lock:
+`insert` when a value is indexed, `touch` on a hit, `victim` for the next entry to evict (with a test of
+whether it may go: a held slot may not), `remove` when a key leaves otherwise (delete, replace).
+Every call is O(1), `victim` amortised: a counter is spent once per hit."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+POLICIES = ("lru", "s3fifo")
+
+
+class LRU:
+    """Least recently used first."""
+
+    def __init__(self, capacity: int):
+        self._order: OrderedDict[bytes, None] = OrderedDict()  # oldest first
+
+    def insert(self, key: bytes, nbytes: int) -> None:
+        self._order[key] = None
+
+    def touch(self, key: bytes) -> None:
+        self._order.move_to_end(key)
+
+    def remove(self, key: bytes) -> None:
+        self._order.pop(key, None)
+
+    def victim(self, evictable: Callable[[bytes], bool]) -> bytes | None:
+        """The least recently used evictable key, dropped from the order; None if none may go. A key
+        that may not go counts as in use: it moves to the recent end, so a long run of held entries
+        (values waiting for the write-behind) is stepped over once, not on every eviction."""
+        for _ in range(len(self._order)):
+            key = next(iter(self._order))
+            if evictable(key):
+                del self._order[key]
+                return key
+            self._order.move_to_end(key)
+        return None
+
+    def clear(self) -> None:
+        self._order.clear()
+
+
+class S3FIFO:
+    """Small FIFO (new keys), main FIFO with CLOCK reinsertion, ghost FIFO of keys evicted from small."""
+
+    SMALL_SHARE = 10  # the small queue's target: capacity / SMALL_SHARE
+    MAX_FREQ = 3  # a 2-bit counter
+
+    def __init__(self, capacity: int):
+        self._small_target = max(1, capacity // self.SMALL_SHARE)
+        self._ghost_limit = max(1, capacity - self._small_target)  # as many bytes as main may hold
+        self._small: OrderedDict[bytes, int] = OrderedDict()  # key -> bytes, oldest first
+        self._main: OrderedDict[bytes, int] = OrderedDict()
+        self._ghost: OrderedDict[bytes, int] = OrderedDict()
+        self._freq: dict[bytes, int] = {}  # every key in small or main
+        self._small_bytes = self._ghost_bytes = 0
+
+    def insert(self, key: bytes, nbytes: int) -> None:
+        self.remove(key)
+        self._freq[key] = 0
+        if key in self._ghost:  # evicted from small not long ago, wanted again: it is reused
+            self._ghost_bytes -= self._ghost.pop(key)
+            self._main[key] = nbytes
+        else:
+            self._small[key] = nbytes
+            self._small_bytes += nbytes
+
+    def touch(self, key: bytes) -> None:
+        if key in self._freq:
+            self._freq[key] = min(self._freq[key] + 1, self.MAX_FREQ)
+
+    def remove(self, key: bytes) -> None:
+        if self._freq.pop(key, None) is None:
+            return
+        if key in self._small:
+            self._small_bytes -= self._small.pop(key)
+        else:
+            del self._main[key]
+
+    def victim(self, evictable: Callable[[bytes], bool]) -> bytes | None:
+        """From small while it holds its share (or main is empty), else from main; the other queue if
+        that one has nothing that may go. None: nothing may go."""
+        first_small = self._small_bytes >= self._small_target or not self._main
+        for take in ((self._from_small, self._from_main) if first_small else (self._from_main, self._from_small)):
+            key = take(evictable)
+            if key is not None:
+                return key
+        return None
+
+    def _from_small(self, evictable: Callable[[bytes], bool]) -> bytes | None:
+        for _ in range(len(self._small)):
+            key, nbytes = self._small.popitem(last=False)
+            self._small_bytes -= nbytes
+            if self._freq[key]:  # hit while in small: promoted, its hits kept for main's clock
+                self._main[key] = nbytes
+            elif not evictable(key):  # held: in use, another round in small
+                self._small[key] = nbytes
+                self._small_bytes += nbytes
+            else:
+                del self._freq[key]
+                self._ghost[key] = nbytes
+                self._ghost_bytes += nbytes
+                while self._ghost_bytes > self._ghost_limit:
+                    self._ghost_bytes -= self._ghost.popitem(last=False)[1]
+                return key
+        return None
+
+    def _from_main(self, evictable: Callable[[bytes], bool]) -> bytes | None:
+        # Each round spends a hit or steps over a held key: after MAX_FREQ + 1 rounds every evictable
+        # key has reached zero.
+        for _ in range((self.MAX_FREQ + 1) * len(self._main) + 1):
+            if not self._main:
+                return None
+            key = next(iter(self._main))
+            if not evictable(key):
+                self._main.move_to_end(key)
+            elif self._freq[key]:
+                self._freq[key] -= 1
+                self._main.move_to_end(key)
+            else:
+                del self._main[key], self._freq[key]
+                return key
+        return None
+
+    def clear(self) -> None:
+        for table in (self._small, self._main, self._ghost, self._freq):
+            table.clear()
+        self._small_bytes = self._ghost_bytes = 0
+
+
+def make_policy(name: str, capacity: int) -> LRU | S3FIFO:
+    """The policy `name` (one of POLICIES) for an arena of `capacity` bytes."""
+    return {"lru": LRU, "s3fifo": S3FIFO}[name](capacity)

@@ -224,3 +224,48 @@ def test_a_store_smaller_than_a_page_is_a_warning_not_an_error_per_save(llama_di
     assert result.log.count("raise its capacity") == 1
     assert "save failed" not in result.log
     assert not [line for line in result.log.splitlines() if "ERROR" in line and "kvoffload" in line.lower()]
+
+
+def _tiny_lora(model_dir, out_dir, rank: int = 8, seed: int = 1) -> str:
+    """A PEFT-format LoRA adapter on the tiny llama's k_proj and v_proj (so it changes the KV itself),
+    with random A and B (PEFT starts B at zero: that adapter would change nothing)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    hidden, kv = cfg["hidden_size"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for proj in ("k_proj", "v_proj"):
+            name = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) * 0.2
+            tensors[f"{name}.lora_B.weight"] = torch.randn(kv, rank, generator=gen) * 0.2
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": ["k_proj", "v_proj"],
+                   "bias": "none", "base_model_name_or_path": model_dir, "task_type": "CAUSAL_LM"}, f)
+    return str(out_dir)
+
+
+def test_a_crafted_cache_salt_never_loads_another_requests_kv(llama_dir, tmp_path):
+    """Cache poisoning through cache_salt: a base-model request whose client-chosen salt spells what an
+    unframed salt of a LoRA request would be ('|lora:<name>') must not write pages the LoRA request then
+    loads. The LoRA request gets nothing from the connector and emits its own cold tokens."""
+    adapter = _tiny_lora(llama_dir, str(tmp_path / "adapter-x"))
+    lora = {"enable_lora": True, "max_loras": 1, "max_lora_rank": 8}
+    crafted = {"tokens": LONG, "cache_salt": f"|lora:{os.path.basename(adapter)}"}
+    victim = {"tokens": LONG, "lora": adapter}
+    (own_cold,) = vh.run_restart(llama_dir, None, [[victim]], dtype="float32", block_size=BLOCK, engine_kwargs=lora)
+    base, attacked, again = vh.run_generations(
+        llama_dir, connector(store_url("lmdb", tmp_path)), [[crafted], [victim], [crafted]], dtype="float32",
+        block_size=BLOCK, engine_kwargs=lora)
+    assert base[0]["num_external_cached_tokens"] == 0
+    assert attacked[0]["num_external_cached_tokens"] == 0, "the LoRA request loaded the crafted request's KV"
+    assert attacked[0]["tokens"] == own_cold[0]["tokens"]
+    assert own_cold[0]["tokens"] != base[0]["tokens"], "the adapter must change the output for this test to bite"
+    assert again[0]["num_external_cached_tokens"] > 0 and again[0]["tokens"] == base[0]["tokens"]  # its own: hit

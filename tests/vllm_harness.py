@@ -190,18 +190,23 @@ def _run_child(spec: dict, extra_env: dict | None, timeout: float) -> tuple[dict
             return json.load(f), text, wall
 
 
+# A prompt is a list of token ids, or {"tokens": [...], "cache_salt": str, "lora": adapter directory}.
+PROMPT_KEYS = {"tokens", "cache_salt", "lora"}
+
+
 def _spec(model_dir, kv_transfer_config, rounds, dtype, block_size, max_tokens, max_model_len,
           engine_kwargs, reset_connector) -> dict:
+    rounds = [[p if isinstance(p, dict) else {"tokens": p} for p in r] for r in rounds]
     for r in rounds:
         for p in r:
-            if not p or not all(isinstance(t, int) for t in p):
-                raise ValueError("prompts must be non-empty lists of token ids")
-    longest = max((len(p) for r in rounds for p in r), default=1)
+            if not p["tokens"] or not all(isinstance(t, int) for t in p["tokens"]) or set(p) - PROMPT_KEYS:
+                raise ValueError(f"a prompt is a non-empty list of token ids, or a dict with keys {PROMPT_KEYS}")
+    longest = max((len(p["tokens"]) for r in rounds for p in r), default=1)
     if max_model_len is None:
         max_model_len = max(1024, longest + max_tokens)
     return dict(
         model=os.path.abspath(model_dir), kv_transfer_config=kv_transfer_config,
-        rounds=[[list(p) for p in r] for r in rounds], dtype=dtype, block_size=block_size,
+        rounds=[[{**p, "tokens": list(p["tokens"])} for p in r] for r in rounds], dtype=dtype, block_size=block_size,
         max_tokens=max_tokens, max_model_len=max_model_len,
         engine_kwargs=dict(engine_kwargs or {}), reset_connector=reset_connector,
     )
@@ -298,6 +303,9 @@ def _child_generate(spec_path: str) -> None:
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+    from vllm.lora.request import LoRARequest
+
+    lora_ids: dict[str, int] = {}
     from vllm.v1.engine import output_processor as op
 
     # Keep each request's PrefillStats (local / external split), see module docstring.
@@ -339,7 +347,11 @@ def _child_generate(spec_path: str) -> None:
             if not llm.reset_prefix_cache(reset_connector=reset_connector):
                 raise RuntimeError("llm.reset_prefix_cache() returned False")
         before = _counter_snapshot(llm)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        inputs = [{"prompt_token_ids": p["tokens"], **({"cache_salt": p["cache_salt"]} if "cache_salt" in p else {})}
+                  for p in prompts]
+        loras = [LoRARequest(os.path.basename(p["lora"]), lora_ids.setdefault(p["lora"], len(lora_ids) + 1),
+                             p["lora"]) if "lora" in p else None for p in prompts]
+        outs = llm.generate(inputs, params, use_tqdm=False, lora_request=loras if any(loras) else None)
         after = _counter_snapshot(llm)
         metrics.append({k: after[k] - before.get(k, 0.0) for k in after})
         round_out = []

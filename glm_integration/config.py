@@ -315,7 +315,8 @@ def _pruned_4l() -> GlmConfig:
 
 
 def _tiny() -> GlmConfig:
-    # The structural toy from docs/glm53-flash-architecture.md: every block kind, runs on 2 CPU cores.
+    # The structural toy: every block kind of the full model (MLA, DSA indexer, kpool tail, KDA, MoE),
+    # small enough for 2 CPU cores.
     return GlmConfig(
         vocab_size=512,
         hidden_size=128,

@@ -5,7 +5,9 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+# Test helpers live in tests/support/ and are imported by bare name (`import vllm_harness`); tests/ for
+# `from conftest import ...`.
+sys.path[:0] = [os.path.join(ROOT, "tests", "support"), os.path.join(ROOT, "tests")]
 
 
 def store_urls(tmp_path, capacity="64MiB", memory="64MiB"):

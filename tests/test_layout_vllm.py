@@ -348,3 +348,71 @@ def test_tail_spec_spelled_kpool_tail(glm_config):
     layout = from_vllm(config)
     assert layout.groups[-1].kind is GroupKind.SKIP and layout.groups[-1].spec_type == "KpoolTailSpec"
     assert [g.kind for g in layout.groups] == [g.kind for g in from_vllm(glm_config).groups]
+
+
+class _StubHybridModel(torch.nn.Module):
+    """Answers vLLM's hybrid alignment the mamba state of the case under test (`STATE`)."""
+
+    STATE: tuple = ((), ())
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config):
+        return cls.STATE[0]
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config):
+        return cls.STATE[1]
+
+
+@pytest.mark.parametrize("use_mla, block_size, heads", [(True, 64, 4), (True, 128, 4), (True, 512, 4), (True, 128, 16),
+                                                       (False, 16, 4), (False, 16, 32), (False, 256, 4)])
+def test_copied_hybrid_alignment_matches_vllm(use_mla, block_size, heads):
+    """`vllm_layouts._align_hybrid_block_size` copies the arithmetic of vLLM's private
+    `Platform._align_hybrid_block_size` (which needs the model class, not importable for glm5next in the
+    CPU build). Both run here on the same configs, vLLM's through a stub model class registered with
+    vLLM's public `ModelRegistry.register_model`: a vLLM that changes the rule fails this test."""
+    from dataclasses import dataclass
+
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, MambaStateShapeCalculator
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
+
+    head_size, kv_heads = (512, 1) if use_mla else (256, 2)
+    backend = AttentionBackendEnum.FLASHMLA_SPARSE if use_mla else AttentionBackendEnum.FLASH_ATTN
+    shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(1, heads // 2, heads, 128, 128, 4, 0)
+    dtypes = MambaStateDtypeCalculator.gated_delta_net_state_dtype(torch.bfloat16, "auto", "auto")
+    _StubHybridModel.STATE = (shapes, dtypes)
+    ModelRegistry.register_model("KvoffloadStubHybridForCausalLM", _StubHybridModel)
+
+    @dataclass
+    class Model(vllm_layouts._ModelConfigStub):
+        architecture: str = "KvoffloadStubHybridForCausalLM"
+        model_impl: str = "auto"
+
+        def get_num_kv_heads(self, parallel_config):
+            return kv_heads
+
+        def get_head_size(self):
+            return head_size
+
+    def config():
+        return vllm_layouts._make_vllm_config(
+            model_config=Model(max_model_len=4096, dtype=torch.bfloat16, use_mla=use_mla), block_size=block_size,
+            num_blocks=8, max_model_len=4096, mamba_cache_mode="align", stub=True)
+
+    spec = MLAAttentionSpec if use_mla else FullAttentionSpec
+    attn_1tok = spec(block_size=1, num_kv_heads=kv_heads, head_size=head_size, dtype=torch.bfloat16).page_size_bytes
+    copied, real = config(), config()
+    vllm_layouts._align_hybrid_block_size(
+        copied, attn_page_size_1_token=attn_1tok,
+        mamba_page_size=MambaSpec(shapes=shapes, dtypes=dtypes, block_size=-1).page_size_bytes,
+        kernel_block_alignment=64 if use_mla else 16, use_mla=use_mla)
+    current_platform._align_hybrid_block_size(real, backend.get_class())
+
+    def fields(vc):
+        cc = vc.cache_config
+        return cc.block_size, cc.mamba_block_size, cc.mamba_page_size_padded
+
+    assert fields(copied) == fields(real)

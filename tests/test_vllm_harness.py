@@ -1,4 +1,4 @@
-"""The vLLM test harness (tests/vllm_harness.py) against the real CPU engine, with vLLM's built-in
+"""The vLLM test harness (tests/support/vllm_harness.py) against the real CPU engine, with vLLM's built-in
 ExampleConnector (safetensors files) standing in for a KV connector.  Each engine start is ~30 s on
 2 cores, so every test starts as few engines as it can."""
 

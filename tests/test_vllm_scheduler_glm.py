@@ -45,7 +45,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-import vllm_layouts  # noqa: E402  (tests/ is on sys.path: conftest.py)
+import vllm_layouts  # noqa: E402  (tests/support/ is on sys.path: conftest.py)
 
 from kvoffload.connectors.plan import page_key, pages_for_load  # noqa: E402
 from kvoffload.spec import GroupKind  # noqa: E402
@@ -96,18 +96,12 @@ def _glm_vllm_config(retention_interval: int, store_url: str, **extra_config):
     from vllm.config import KVTransferConfig
 
     captured = {}
-    real_plan = vllm_layouts._plan
 
-    def plan(vllm_config, specs, backends):  # the same planning, with the retention knob set first
+    def before_plan(vllm_config):  # the retention knob set before vLLM's planner runs
         vllm_config.cache_config.prefix_cache_retention_interval = retention_interval
         captured["vllm_config"] = vllm_config
-        return real_plan(vllm_config, specs, backends)
 
-    vllm_layouts._plan = plan
-    try:
-        worker_cfg = vllm_layouts.glm53_flash_like_config()
-    finally:
-        vllm_layouts._plan = real_plan
+    worker_cfg = vllm_layouts.glm53_flash_like_config(before_plan=before_plan)
     vc = captured["vllm_config"]
     stub = vc.model_config
     object.__setattr__(vc, "model_config", _SchedulerModelConfigStub(

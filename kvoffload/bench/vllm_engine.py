@@ -1,11 +1,17 @@
-"""The real vLLM engine (the CPU build here) in a child process that takes timing commands, for the
-benchmarks. Several engines (one per connector configuration) stay up side by side and the benchmark
-alternates between them, so a slow minute on a shared machine lands on every configuration alike.
+"""The real vLLM engine (the CPU build here) in a child process that takes commands: the one vLLM driver
+of the benchmarks and of the tests (tests/support/vllm_harness.py is a thin layer over it). Several
+engines (one per connector configuration) can stay up side by side, so a benchmark alternates between
+them and a slow minute on a shared machine lands on every configuration alike.
 
 Commands (one JSON object per line on the child's stdin; one JSON reply per line on a private pipe):
     {"op": "ttft", "prompts": [[ids]]}   each prompt alone, one output token: seconds, cached tokens
     {"op": "steps", "prompts": [[ids]], "max_tokens": n}   one batch: seconds and engine steps
-    {"op": "reset"}                      empty the engine's own prefix cache (the connector's store stays)
+    {"op": "generate", "prompts": [[ids] or {"tokens": [ids], "cache_salt": s, "lora": dir}], "max_tokens": n}
+        one greedy batch (a prompt may carry a cache salt and a LoRA adapter directory): per prompt its tokens and
+        the scheduler's local / external (connector) split of its cached tokens; the round's deltas of
+        vLLM's Prometheus counters (needs engine_kwargs disable_log_stats=False)
+    {"op": "reset", "reset_connector": false}   empty the engine's own prefix cache (by default the
+        connector's store stays)
     {"op": "stall", "decode_prompts": [[ids]], "long_prompt": [ids], "quiet_steps": q, "window_steps": w}
         in-process engines only: every step's wall time and scheduled tokens while decode requests run and
         one long prompt (one output token) joins them (`_stall`)
@@ -13,9 +19,11 @@ Commands (one JSON object per line on the child's stdin; one JSON reply per line
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -26,26 +34,51 @@ class EngineRunError(RuntimeError):
     pass
 
 
-def child_env() -> dict[str, str]:
+def child_env(extra_env: dict | None = None) -> dict[str, str]:
+    """This checkout importable, a 1 GiB CPU KV cache, offline; then `extra_env` on top."""
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     for key, value in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1"),
                        ("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1")):
         env.setdefault(key, value)
+    env.update({k: str(v) for k, v in (extra_env or {}).items()})
     return env
+
+
+def stop_group(proc: subprocess.Popen, first: int = signal.SIGTERM, grace: float = 15.0) -> None:
+    """Stop a child started with start_new_session=True and everything left in its process group (vLLM's
+    engine core and workers)."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(first)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(grace)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            break
+        time.sleep(1.0 if sig == signal.SIGTERM else 0)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(5)
 
 
 class Engine:
     """One engine process; `call(op, ...)` sends a command and returns its reply."""
 
     def __init__(self, model_dir: str, kv_transfer_config: dict | None, *, block_size: int, max_model_len: int,
-                 dtype: str = "float32", timeout: float = 600, in_process: bool = False):
+                 dtype: str = "float32", timeout: float = 600, in_process: bool = False,
+                 engine_kwargs: dict | None = None, extra_env: dict | None = None, warmup: bool = True):
         """`in_process`: scheduler and worker in the child itself (VLLM_ENABLE_V1_MULTIPROCESSING=0), which
-        also lets the child time every hook of the connector (`connector_seconds` in `steps` replies)."""
+        also lets the child time every hook of the connector (`connector_seconds` in `steps` replies).
+        `timeout`: seconds for start-up and for each reply. `engine_kwargs` go to `vllm.LLM` on top of the
+        defaults (eager, prefix caching, no tokenizer, seed 0). `warmup`: one 5-token request before the
+        first command (its prefix-cache entries reset), so the first timed call pays no lazy start-up."""
         spec = {"model": os.path.abspath(model_dir), "kv_transfer_config": kv_transfer_config,
-                "block_size": block_size, "max_model_len": max_model_len, "dtype": dtype, "in_process": in_process}
-        env = child_env()
+                "block_size": block_size, "max_model_len": max_model_len, "dtype": dtype, "in_process": in_process,
+                "engine_kwargs": dict(engine_kwargs or {}), "warmup": warmup}
+        env = child_env(extra_env)
         if in_process:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.timeout = timeout
@@ -53,22 +86,27 @@ class Engine:
         replies, self._reply_w = os.pipe()
         self.proc = subprocess.Popen([sys.executable, "-m", "kvoffload.bench.vllm_engine", json.dumps(spec),
                                       str(self._reply_w)], stdin=subprocess.PIPE, stdout=self.log,
-                                     stderr=subprocess.STDOUT, env=env, pass_fds=(self._reply_w,), text=True)
+                                     stderr=subprocess.STDOUT, env=env, pass_fds=(self._reply_w,), text=True,
+                                     start_new_session=True)
         os.close(self._reply_w)
         self.replies = os.fdopen(replies)
-        self.startup_s = self._reply()["startup_s"]
+        try:
+            self.startup_s = self._reply()["startup_s"]
+        except BaseException:
+            self.close()
+            raise
 
     def _reply(self) -> dict:
         ready, _, _ = select.select([self.replies], [], [], self.timeout)
         if not ready:
-            self.proc.kill()
-            raise EngineRunError(f"the vLLM engine did not answer within {self.timeout:.0f} s (log: {self.log.name})")
+            stop_group(self.proc, grace=5.0)
+            raise EngineRunError(f"the vLLM engine did not answer within {self.timeout:.0f} s; log tail:\n"
+                                 f"{self.log_text()[-6000:]}")
         line = self.replies.readline()
         if not line:
-            self.proc.wait(10)
-            with open(self.log.name, "rb") as f:
-                tail = f.read().decode("utf-8", "replace")[-4000:]
-            raise EngineRunError(f"the vLLM engine exited (status {self.proc.returncode}):\n{tail}")
+            stop_group(self.proc, grace=10.0)
+            raise EngineRunError(f"the vLLM engine exited (status {self.proc.returncode}); log tail:\n"
+                                 f"{self.log_text()[-6000:]}")
         return json.loads(line)
 
     def call(self, op: str, **args) -> dict:
@@ -76,15 +114,22 @@ class Engine:
         self.proc.stdin.flush()
         return self._reply()
 
-    def close(self) -> None:
-        if self.proc.poll() is None:
+    def log_text(self) -> str:
+        """The child's output so far (stdout and stderr)."""
+        with open(self.log.name, "rb") as f:
+            return f.read().decode("utf-8", "replace")
+
+    def close(self) -> str:
+        """End the engine (stdin closed: it exits, at most 60 s) and its process group; returns its log."""
+        with contextlib.suppress(BrokenPipeError):
             self.proc.stdin.close()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(60)
+        stop_group(self.proc, grace=5.0)
         self.replies.close()
+        text = self.log_text()
         os.unlink(self.log.name)
+        return text
 
     def __enter__(self) -> Engine:
         return self
@@ -193,6 +238,82 @@ def _stall(llm, command: dict) -> dict:
             "long_cached_tokens": cached}
 
 
+def _record_prefill_stats() -> dict[str, dict]:
+    """Keep each request's PrefillStats (the scheduler's local / external split of its cached tokens),
+    keyed by the request id the caller gave: `RequestOutput` carries only their sum, so the front end's
+    `OutputProcessor.process_outputs` is wrapped to copy them as they pass."""
+    import dataclasses
+
+    from vllm.v1.engine import output_processor as op
+
+    prefill: dict[str, dict] = {}
+    orig = op.OutputProcessor.process_outputs
+
+    def process_outputs(self, engine_core_outputs, *args, **kwargs):
+        for eco in engine_core_outputs:
+            stats = getattr(eco, "prefill_stats", None)
+            if stats is None:
+                continue
+            state = self.request_states.get(eco.request_id)
+            key = getattr(state, "external_req_id", None) or eco.request_id
+            prefill.setdefault(key, dataclasses.asdict(stats))
+        return orig(self, engine_core_outputs, *args, **kwargs)
+
+    op.OutputProcessor.process_outputs = process_outputs
+    return prefill
+
+
+# Prometheus counters (names as LLM.get_metrics() reports them) returned per `generate` as deltas.
+COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:external_prefix_cache_queries",
+            "vllm:external_prefix_cache_hits", "vllm:prompt_tokens_by_source")
+
+
+def _counters(llm) -> dict[str, float]:
+    snap: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if m.name not in COUNTERS or not hasattr(m, "value"):
+            continue
+        key = m.name.removeprefix("vllm:")
+        if "source" in m.labels:
+            key += "{source=%s}" % m.labels["source"]
+        snap[key] = snap.get(key, 0.0) + float(m.value)
+    return snap
+
+
+_lora_ids: dict[str, int] = {}
+
+
+def _lora_request(directory: str):
+    """One LoRARequest per adapter directory (named after it), the same id for every use."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(os.path.basename(directory), _lora_ids.setdefault(directory, len(_lora_ids) + 1), directory)
+
+
+def _generate(llm, command: dict, prefill: dict[str, dict]) -> dict:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=command["max_tokens"], ignore_eos=True, detokenize=False)
+    prompts = [p if isinstance(p, dict) else {"tokens": p} for p in command["prompts"]]
+    inputs = [{"prompt_token_ids": p["tokens"], **({"cache_salt": p["cache_salt"]} if "cache_salt" in p else {})}
+              for p in prompts]
+    loras = [_lora_request(p["lora"]) if "lora" in p else None for p in prompts]
+    before = _counters(llm)
+    outs = llm.generate(inputs, params, use_tqdm=False, lora_request=loras if any(loras) else None)
+    after = _counters(llm)
+    rows = []
+    for o in outs:
+        st = prefill.pop(o.request_id, {})
+        rows.append({"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens,
+                     "num_prompt_tokens": len(o.prompt_token_ids or []),
+                     "num_local_cached_tokens": st.get("num_local_cached_tokens"),
+                     "num_external_cached_tokens": st.get("num_external_cached_tokens"),
+                     "num_computed_tokens": st.get("num_computed_tokens"),
+                     "num_cache_creation_tokens": st.get("num_cache_creation_tokens"),
+                     "finish_reason": o.outputs[0].finish_reason, "kv_transfer_params": o.kv_transfer_params})
+    return {"rows": rows, "metrics": {k: after[k] - before.get(k, 0.0) for k in after}}
+
+
 def _child(spec_json: str, reply_fd: str) -> None:
     spec = json.loads(spec_json)
     replies = os.fdopen(int(reply_fd), "w")
@@ -204,11 +325,13 @@ def _child(spec_json: str, reply_fd: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
+    prefill = _record_prefill_stats()
     kwargs = dict(model=spec["model"], dtype=spec["dtype"], block_size=spec["block_size"],
                   max_model_len=spec["max_model_len"], enforce_eager=True, enable_prefix_caching=True,
                   skip_tokenizer_init=True, seed=0)
     if spec["kv_transfer_config"]:
         kwargs["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
+    kwargs.update(spec["engine_kwargs"])
     hook_seconds = _time_connector_hooks(spec["kv_transfer_config"]) if spec["in_process"] else [0.0]
     started = time.perf_counter()
     llm = LLM(**kwargs)
@@ -221,13 +344,16 @@ def _child(spec_json: str, reply_fd: str) -> None:
 
     engine.step = counted_step
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
-    llm.generate([{"prompt_token_ids": [3, 4, 5, 6, 7]}], one, use_tqdm=False)  # warm-up
-    llm.reset_prefix_cache()
+    if spec["warmup"]:
+        llm.generate([{"prompt_token_ids": [3, 4, 5, 6, 7]}], one, use_tqdm=False)
+        llm.reset_prefix_cache()
     reply({"startup_s": time.perf_counter() - started})
     for line in sys.stdin:
         command = json.loads(line)
+        if command["op"] != "generate":
+            prefill.clear()  # only `generate` reads them
         if command["op"] == "reset":
-            reply({"ok": llm.reset_prefix_cache()})
+            reply({"ok": llm.reset_prefix_cache(reset_connector=command.get("reset_connector", False))})
         elif command["op"] == "ttft":
             rows = []
             for prompt in command["prompts"]:
@@ -244,6 +370,8 @@ def _child(spec_json: str, reply_fd: str) -> None:
             outs = llm.generate([{"prompt_token_ids": p} for p in command["prompts"]], params, use_tqdm=False)
             reply({"seconds": time.perf_counter() - t0, "steps": steps[0], "connector_seconds": hook_seconds[0] - hooks_before,
                    "cached_tokens": sum(o.num_cached_tokens for o in outs)})
+        elif command["op"] == "generate":
+            reply(_generate(llm, command, prefill))
         elif command["op"] == "stall":
             reply(_stall(llm, command))
         else:

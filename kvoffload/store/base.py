@@ -168,13 +168,6 @@ class Store(ABC):
     def contains(self, key: bytes) -> bool:
         return self.contains_many([key])[0]
 
-    def lookup_prefix(self, keys: Sequence[bytes]) -> int:
-        """How many leading keys of a chain are present: the prefix-hit length in blocks."""
-        for i, present in enumerate(self.contains_many(keys)):
-            if not present:
-                return i
-        return len(keys)
-
     def stats(self) -> dict[str, int | str]:
         with self._counter_lock:
             counters = dict(self._counters)

@@ -1,8 +1,10 @@
-"""Memory in front of disk (LMDB and/or Redis). Reads try memory first and promote a disk hit into
-memory, so hot prefixes stay in host RAM. Writes are write-behind by default: the engine waits for the
-memory tier only, and a background thread writes the disk behind it (as vLLM's OffloadingConnector and
-SGLang's HiCache write-back do): a disk write costs the engine nothing, and a disk that falls behind
-loses durability of some pages, never engine time.
+"""Memory in front of a back tier: LMDB, Redis, or LMDB in front of Redis. Reads try memory first and
+promote a back-tier hit into memory, so hot prefixes stay in host RAM. Writes are write-behind by
+default: the engine waits for the memory tier only, and a background thread writes the back tier behind
+it (as vLLM's OffloadingConnector and SGLang's HiCache write-back do): a back-tier write costs the engine
+nothing, and a back tier that falls behind loses durability of some pages, never engine time.
+The stats keep the names `disk_*` for the back tier (`disk_hits`, `disk_entries`, ...), whatever it is:
+they are an interface.
 
 Writes (`write="behind"`): `put_many` / `write_many` store in the front and return True per value the
 front holds -- visible at once, since this process's lookups are answered by the front. Each such
@@ -25,8 +27,8 @@ batch if that is committing the key: a queued or in-flight value can neither ove
 Admission (`admit=N`, write-behind only; default 1: every value goes behind): a value goes below memory
 only on its N-th use, where its put is the first use and every read served from memory (a hit on a
 prefix) or put again (a recompute) is another; until then it lives in memory only and is counted
-(`behind_not_admitted`). One-off prompts then never cost disk bandwidth nor evict reused prefixes
-from the disk tier. At most ADMIT_TRACKED keys wait for admission (the oldest are forgotten).
+(`behind_not_admitted`). One-off prompts then never cost back-tier bandwidth nor evict reused
+prefixes from the back tier. At most ADMIT_TRACKED keys wait for admission (the oldest are forgotten).
 
 Reads (`read_many`, `acquire`): the front; then the writer's private copies (a copying front may have
 evicted what it leased); then the back, each hit copied into a front slot inside the back's consume
@@ -60,7 +62,7 @@ log = logging.getLogger(__name__)
 
 BATCH_ENTRIES = 256  # at most this many values per back.put_many
 BATCH_BYTES = 64 << 20  # and at most this many bytes (or one value, if larger)
-DEFAULT_BEHIND_AGE = 30.0  # seconds an entry may wait for the disk
+DEFAULT_BEHIND_AGE = 30.0  # seconds an entry may wait for the back tier
 MAX_DEFAULT_BEHIND_BYTES = 2 << 30
 CLOSE_FLUSH_SECONDS = 60.0  # close() waits this long for the queue to drain
 WRITE_MODES = ("behind", "through")
@@ -264,7 +266,7 @@ class TieredStore(Store):
             self._thread = start_background(self._run, "kvoffload-write-behind")
 
     def _too_old(self) -> str:
-        return "waited longer than behind_age=%gs for the disk" % self.behind_age
+        return "waited longer than behind_age=%gs for the back tier" % self.behind_age
 
     def _unqueue(self, key: bytes) -> _Pending | None:
         """Under `_lock`: take `key`'s waiting entry out of the queue (the caller releases its lease)."""
@@ -437,7 +439,7 @@ class TieredStore(Store):
     def _read_back(self, keys: Sequence[bytes], missing: list[int], consume: Callable[[int, memoryview], None]) -> int:
         """`back.read_many` of the `missing` keys (consume gets the index into `missing`), split over
         READERS threads when there are several values: with a cold page cache each thread's page faults
-        keep the disk busy while the others copy, where one reader waits for each fault in turn."""
+        keep the back tier busy while the others copy, where one reader waits for each fault in turn."""
         if not missing:
             return 0
         parts = [part.tolist() for part in np.array_split(np.arange(len(missing)), min(READERS, len(missing)))]
@@ -492,7 +494,7 @@ class TieredStore(Store):
     # -- figures and shutdown -------------------------------------------------------------------------
     def _usage(self) -> dict[str, int]:
         usage = {}
-        for name, tier in (("memory", self.front), ("disk", self.back)):
+        for name, tier in (("memory", self.front), ("disk", self.back)):  # "disk": the back tier (stat names)
             for k, v in tier.stats().items():
                 if k != "url":
                     usage[f"{name}_{k}"] = v
@@ -512,7 +514,7 @@ class TieredStore(Store):
         if self._closed:
             return
         if not self.flush(CLOSE_FLUSH_SECONDS):
-            log.warning("tiered store %s: gave up waiting for the disk after %gs; %d value(s) not written",
+            log.warning("tiered store %s: gave up waiting for the back tier after %gs; %d value(s) not written",
                         self.url, CLOSE_FLUSH_SECONDS, len(self._queue) + len(self._inflight))
         with self._lock:
             self._closed = self._stopping = True

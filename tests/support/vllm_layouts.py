@@ -31,7 +31,9 @@ build the real ``VllmConfig`` with real ``CacheConfig`` / ``SchedulerConfig`` /
 which carries only the fields the planner reads (``max_model_len``,
 ``original_max_model_len``, ``dtype``...).  The block-size / mamba-padding
 alignment that ``Platform._align_hybrid_block_size`` would do is reproduced
-in :func:`_align_hybrid_block_size` (same formula, same cache_config fields).
+in :func:`_align_hybrid_block_size` (same formula, same cache_config fields),
+pinned to vLLM's own by ``test_copied_hybrid_alignment_matches_vllm``
+(tests/test_layout_vllm.py), which runs both on the same configs.
 
 vLLM is imported lazily inside functions so this module imports without it.
 """
@@ -66,11 +68,6 @@ class _ModelConfigStub:
 
     def get_sliding_window(self):
         return None
-
-
-# ----------------------------------------------------------------------------
-# shared plumbing
-# ----------------------------------------------------------------------------
 
 
 def _make_vllm_config(
@@ -149,9 +146,10 @@ def _align_hybrid_block_size(
         cc.mamba_page_size_padded = attn_page
 
 
-def _plan(vllm_config, specs: dict, backends: list):
+def _plan(vllm_config, specs: dict, backends: list, before_plan=None):
     """Run the engine core's KV-cache planning sequence; return worker 0's
-    KVCacheConfig."""
+    KVCacheConfig. ``before_plan(vllm_config)``, if given, runs first (a test
+    sets engine knobs there, or keeps the config)."""
     from vllm.v1.attention.backends.utils import (
         get_supported_kv_cache_layouts,
         resolve_kv_cache_layout,
@@ -164,6 +162,8 @@ def _plan(vllm_config, specs: dict, backends: list):
     )
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 
+    if before_plan is not None:
+        before_plan(vllm_config)
     register_all_kvcache_specs(vllm_config)
     supported = [layout.name for layout in get_supported_kv_cache_layouts(backends)]
     layout = resolve_kv_cache_layout(vllm_config, [supported], list(specs.values()))
@@ -195,11 +195,6 @@ def _plan(vllm_config, specs: dict, backends: list):
     return kv_cache_configs[0]
 
 
-# ----------------------------------------------------------------------------
-# 1. GLM-5.3-Flash-like: MLA + kpool indexer + tail ring + KDA (align mode)
-# ----------------------------------------------------------------------------
-
-
 def glm53_flash_like_config(
     block_size: int | None = None,
     *,
@@ -214,6 +209,7 @@ def glm53_flash_like_config(
     kda_conv_kernel: int = 4,
     kda_prefill_backend: str = "flashkda",
     max_model_len: int = 4096,
+    before_plan=None,
 ):
     """GLM-5.3-Flash-like stack, specs built as glm5next builds them.
 
@@ -242,6 +238,7 @@ def glm53_flash_like_config(
     "flashkda"``, which is what an H200 with head_dim 128 bf16 resolves to).
 
     ``block_size=None`` lets the hybrid alignment pick it (384 with defaults).
+    ``before_plan(vllm_config)`` runs just before vLLM's planner (see :func:`_plan`).
     """
     import torch
 
@@ -360,12 +357,7 @@ def glm53_flash_like_config(
         KpoolTailBackend,
         MambaAttentionBackendEnum.GDN_ATTN.get_class(),
     ]
-    return _plan(vc, specs, backends)
-
-
-# ----------------------------------------------------------------------------
-# 2. Qwen3-Next-like: GDN (3 of 4 layers) + full attention, align mode
-# ----------------------------------------------------------------------------
+    return _plan(vc, specs, backends, before_plan)
 
 
 def qwen3_next_like_config(
@@ -447,11 +439,6 @@ def qwen3_next_like_config(
     return _plan(vc, specs, backends)
 
 
-# ----------------------------------------------------------------------------
-# 3. plain Llama
-# ----------------------------------------------------------------------------
-
-
 @functools.lru_cache(maxsize=None)
 def _llama_model_dir(num_layers: int, num_kv_heads: int, head_size: int) -> str:
     d = tempfile.mkdtemp(prefix="kvoffload_llama_cfg_")
@@ -504,11 +491,6 @@ def llama_config(
         for i in range(num_layers)
     }
     return _plan(vc, specs, [AttentionBackendEnum.FLASH_ATTN.get_class()])
-
-
-# ----------------------------------------------------------------------------
-# dump helper
-# ----------------------------------------------------------------------------
 
 
 def describe(cfg) -> str:

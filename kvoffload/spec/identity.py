@@ -18,7 +18,6 @@ cached: its timestamps could still match a later write in the same clock tick (g
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import math
@@ -31,6 +30,8 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
+
+from ..flock import flock_within
 
 # Config fields that cannot change a KV byte: where the config was read from, and which library wrote it.
 UNBOUND_CONFIG_FIELDS = frozenset({"_name_or_path", "transformers_version", "_commit_hash"})
@@ -163,19 +164,9 @@ class _DigestCache:
             yield
             return
         try:
-            deadline, said = time.monotonic() + _LOCK_WAIT_S, False
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        progress("kvoffload: weight digest cache still locked; hashing without it")
-                        break
-                    if not said:
-                        progress("kvoffload: waiting for another process hashing model weights")
-                        said = True
-                    time.sleep(0.2)
+            if not flock_within(fd, _LOCK_WAIT_S, poll=0.2, on_wait=lambda: progress(
+                    "kvoffload: waiting for another process hashing model weights")):
+                progress("kvoffload: weight digest cache still locked; hashing without it")
             yield
         finally:
             os.close(fd)  # releases the lock

@@ -43,6 +43,7 @@ from contextlib import contextmanager
 
 import lmdb
 
+from ..flock import flock_within
 from . import entry
 from .base import Store
 from .buffers import Buffer
@@ -204,16 +205,9 @@ class LMDBStore(Store):
         """Opens of one directory take turns (a bounded wait: a hung opener is an error, not a hang)."""
         fd = os.open(self._file(OPEN_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            deadline = time.monotonic() + _OPEN_WAIT_SECONDS
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise StoreConfigError(f"LMDB store {self.path!r}: another process has been opening it "
-                                               f"for over {_OPEN_WAIT_SECONDS:.0f} s") from None
-                    time.sleep(0.01)
+            if not flock_within(fd, _OPEN_WAIT_SECONDS):
+                raise StoreConfigError(f"LMDB store {self.path!r}: another process has been opening it "
+                                       f"for over {_OPEN_WAIT_SECONDS:.0f} s")
             yield
         finally:
             os.close(fd)

@@ -2,7 +2,8 @@
 them between a cache buffer and a store), `offloader` (the engine-facing API over both), and thin
 adapters for engines: `runner` (the bundled GLM runner) and, later, `vllm`."""
 
-from .offloader import Offloader
+from .offloader import LoadResult, Offloader
 from .plan import Page, hit_blocks, pages_for_load, pages_for_save
+from .transfer import Transfer
 
-__all__ = ["Offloader", "Page", "hit_blocks", "pages_for_load", "pages_for_save"]
+__all__ = ["LoadResult", "Offloader", "Page", "Transfer", "hit_blocks", "pages_for_load", "pages_for_save"]

@@ -157,7 +157,8 @@ def test_background_save_after_a_fence_reads_what_compute_wrote():
     buffer.fill_(5)
     fence = transfer.fence()  # taken on the engine's thread, after the compute that writes the block
     result = []
-    worker = threading.Thread(target=lambda: result.append(transfer.save(store, [Page(b"k", paged, 0, 1)], after=fence)))
+    page = Page(b"k", paged, 0, 1)
+    worker = threading.Thread(target=lambda: result.append(transfer.save(store, [page], after=fence)))
     worker.start()
     worker.join(timeout=60)
     assert result == [[True]]

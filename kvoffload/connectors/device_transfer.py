@@ -111,7 +111,8 @@ class DeviceTransfer:
             chosen = [i for i, k in enumerate(keep) if k]
             batch, page_at = [batch[i] for i in chosen], page_at[chosen]
         groups = {id(item.group): item.group for item in batch}
-        which = np.fromiter([id(item.group) for item in batch], dtype=np.int64, count=len(batch)) if len(groups) > 1 else None
+        which = (np.fromiter([id(item.group) for item in batch], dtype=np.int64, count=len(batch))
+                 if len(groups) > 1 else None)
         blocks = np.fromiter([item.block for item in batch], dtype=np.int64, count=len(batch))
         parts = []
         for key, group in groups.items():

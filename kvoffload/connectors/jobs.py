@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..threads import start_background
-from .offloader import BlockTable, Offloader
-from .plan import Page
+from .offloader import Offloader
+from .plan import BlockTable, Page
 
 log = logging.getLogger(__name__)
 

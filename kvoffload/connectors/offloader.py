@@ -25,8 +25,6 @@ from .transfer import Transfer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BlockTable", "LoadResult", "Observer", "Offloader"]
-
 
 @dataclass(frozen=True)
 class LoadResult:

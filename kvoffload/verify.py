@@ -125,8 +125,8 @@ class _Recorder:
         self.result.pages[page.key.hex()] = {"group": page.group.name, "kind": page.group.kind.value,
                                              "digest": _digest(data), "bytes": int(data.nbytes)}
 
-    def loaded(self, page, block_id: int) -> None:
-        self.pending.append((page, block_id))
+    def loaded(self, page) -> None:
+        self.pending.append(page)
 
 
 class _VerifyingConnector(RunnerConnector):
@@ -140,8 +140,8 @@ class _VerifyingConnector(RunnerConnector):
         super().on_admit(engine, request)
         # read restored pages back from the cache, as the model will see them
         self.restored_now = []
-        for page, block in self.recorder.pending:
-            data = self.offloader.transfer.gather(page.group, block)
+        for page in self.recorder.pending:
+            data = self.offloader.transfer.gather(page.group, page.block)
             self.recorder.result.pages.setdefault(page.key.hex(), {"group": page.group.name,
                                                                    "kind": page.group.kind.value})
             self.recorder.result.pages[page.key.hex()]["restored_digest"] = _digest(data)

@@ -33,8 +33,7 @@ def _keys(tag: str, n: int) -> list[bytes]:
 
 
 def _save_pages(offloader, keys, source: list[int]):
-    pages = pages_for_save(offloader.layout, keys, len(keys), range(len(keys)))
-    return [(p, source[p.index]) for p in pages]
+    return pages_for_save(offloader.layout, keys, len(keys), range(len(keys)), source)
 
 
 def _same(offloader, a: list[int], b: list[int], upto: int) -> bool:
@@ -97,7 +96,7 @@ def test_close_finishes_queued_saves():
     for n in range(5):
         jobs.submit_save(n, _save_pages(offloader, _keys(f"c{n}", 4), list(range(4))))
     jobs.close()
-    assert all(store.contains_many([p.key for p, _ in _save_pages(offloader, _keys(f"c{n}", 4), list(range(4)))])
+    assert all(store.contains_many([p.key for p in _save_pages(offloader, _keys(f"c{n}", 4), list(range(4)))])
                for n in range(5))
 
 

@@ -1,14 +1,17 @@
 """The staged device transfer (the GPU path; its logic also runs on a CPU buffer): byte-exact pages both
 ways, equal to the host transfer's, across several staging batches, with misses never scattered."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 
 from kvoffload import open_store
 from kvoffload.connectors.device_transfer import DeviceTransfer
+from kvoffload.connectors.plan import Page
 from kvoffload.connectors.span_copy import SpanCopier, word_size
-from kvoffload.connectors.transfer import HostTransfer, make_transfer
+from kvoffload.connectors.transfer import HostTransfer, Transfer, make_transfer
 from kvoffload.spec import CacheGroup, GroupKind, Region
 
 GPU = torch.cuda.is_available()
@@ -41,21 +44,21 @@ def test_pages_round_trip_byte_exact_across_staging_batches(device, use_triton, 
     paged, state = _groups()
     source = torch.randint(0, 256, (32 * STRIDE,), dtype=torch.uint8)
     host = HostTransfer(source.clone())
-    items = [(f"k{g.name}{b}".encode(), g, b) for b in range(3, 20) for g in (paged, state)]
+    items = [Page(f"k{g.name}{b}".encode(), g, b, b) for b in range(3, 20) for g in (paged, state)]
     # a staging slot of ~3 pages: many batches, both slots reused, one page larger than nothing else fits
     transfer = _transfer(source.to(device), use_triton, staging_bytes=3 * paged.used_bytes_per_block)
     assert len(transfer.batches(items)) > 4
     store = open_store(f"memory://?capacity=4MiB&pinned={pinned}")
     assert transfer.save(store, items) == [True] * len(items)
-    for key, group, block in items:
-        assert bytes(store.get(key)) == host.gather(group, block).tobytes()
+    for p in items:
+        assert bytes(store.get(p.key)) == host.gather(p.group, p.block).tobytes()
 
     target = torch.zeros(32 * STRIDE, dtype=torch.uint8, device=device)
     loader = _transfer(target, use_triton, staging_bytes=3 * paged.used_bytes_per_block)
-    moved = [(key, group, block + 8) for key, group, block in items]  # into other blocks
+    moved = [replace(p, block=p.block + 8) for p in items]  # into other blocks
     assert loader.load(store, moved) == [True] * len(items)
-    for (_, group, block), (_, _, new_block) in zip(items, moved):
-        assert np.array_equal(loader.gather(group, new_block), host.gather(group, block))
+    for p, into in zip(items, moved):
+        assert np.array_equal(loader.gather(p.group, into.block), host.gather(p.group, p.block))
     copied = target.cpu().numpy()
     assert not copied[11 * STRIDE + 3000:11 * STRIDE + 4096].any()  # padding never travels
     assert not copied[:11 * STRIDE].any()  # blocks below the targets untouched
@@ -66,11 +69,12 @@ def test_misses_and_wrong_sized_pages_are_not_scattered(device, use_triton):
     paged, state = _groups()
     source = torch.randint(1, 256, (8 * STRIDE,), dtype=torch.uint8)
     store = open_store("memory://?capacity=1MiB&pinned=false")
-    _transfer(source.to(device), use_triton).save(store, [(b"good", paged, 1)])
+    _transfer(source.to(device), use_triton).save(store, [Page(b"good", paged, 0, 1)])
     store.put(b"short", b"\x07" * (state.used_bytes_per_block - 4))  # a page of another size
     target = torch.zeros(8 * STRIDE, dtype=torch.uint8, device=device)
     loader = _transfer(target, use_triton)
-    assert loader.load(store, [(b"good", paged, 2), (b"missing", paged, 3), (b"short", state, 4)]) == [True, False, False]
+    pages = [Page(b"good", paged, 0, 2), Page(b"missing", paged, 0, 3), Page(b"short", state, 0, 4)]
+    assert loader.load(store, pages) == [True, False, False]
     copied = target.cpu().numpy()
     assert np.array_equal(loader.gather(paged, 2), HostTransfer(source).gather(paged, 1))
     assert not copied[3 * STRIDE:5 * STRIDE].any()
@@ -102,6 +106,17 @@ def test_make_transfer_picks_by_device():
         assert isinstance(make_transfer(torch.zeros(64, dtype=torch.uint8, device="cuda")), DeviceTransfer)
 
 
+def test_both_transfers_are_a_transfer():
+    """The offloader and its jobs see only the `Transfer` protocol: both transfers implement all of it,
+    and say whether their copies run on device streams."""
+    host = HostTransfer(torch.zeros(64, dtype=torch.uint8))
+    device = DeviceTransfer(torch.zeros(64, dtype=torch.uint8))  # the device engine on a CPU buffer
+    assert isinstance(host, Transfer) and isinstance(device, Transfer)
+    assert host.gpu is False and device.gpu is False
+    assert host.fence() is None and device.fence() is None
+    assert not isinstance(object(), Transfer)
+
+
 @pytest.mark.skipif(not GPU, reason="stream ordering needs a GPU")
 def test_streams_order_saves_after_compute_and_compute_after_loads():
     paged, _ = _groups()
@@ -111,11 +126,11 @@ def test_streams_order_saves_after_compute_and_compute_after_loads():
     store = open_store("memory://?capacity=1MiB&pinned=false")
     torch.cuda._sleep(100_000_000)  # keep the compute stream busy: a save that does not wait reads zeros
     buffer.fill_(7)
-    assert transfer.save(store, [(b"written", paged, 1)]) == [True]
+    assert transfer.save(store, [Page(b"written", paged, 0, 1)]) == [True]
     assert bytes(store.get(b"written")) == b"\x07" * n
     store.put(b"nines", b"\x09" * n)
     torch.cuda._sleep(100_000_000)
-    assert transfer.load(store, [(b"nines", paged, 2)]) == [True]
+    assert transfer.load(store, [Page(b"nines", paged, 0, 2)]) == [True]
     seen = buffer[2 * STRIDE:2 * STRIDE + 3000].clone()  # compute after the load must see it
     assert bool((seen == 9).all())
 
@@ -142,7 +157,8 @@ def test_background_save_after_a_fence_reads_what_compute_wrote():
     buffer.fill_(5)
     fence = transfer.fence()  # taken on the engine's thread, after the compute that writes the block
     result = []
-    worker = threading.Thread(target=lambda: result.append(transfer.save(store, [(b"k", paged, 1)], after=fence)))
+    page = Page(b"k", paged, 0, 1)
+    worker = threading.Thread(target=lambda: result.append(transfer.save(store, [page], after=fence)))
     worker.start()
     worker.join(timeout=60)
     assert result == [[True]]

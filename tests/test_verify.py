@@ -85,8 +85,8 @@ def test_mutation_corrupt_one_restored_page(monkeypatch, tiny_checkpoint):
 def test_mutation_drop_a_kda_state(monkeypatch, tiny_checkpoint):
     real = plan_module.pages_for_load
 
-    def without_state(layout, keys, start, end):
-        return [p for p in real(layout, keys, start, end) if p.group.kind is not GroupKind.STATE]
+    def without_state(layout, keys, start, end, table=None):
+        return [p for p in real(layout, keys, start, end, table) if p.group.kind is not GroupKind.STATE]
 
     monkeypatch.setattr(offloader_module, "pages_for_load", without_state)
     report = verify("memory://", model_dir=tiny_checkpoint)
@@ -98,10 +98,12 @@ def test_mutation_drop_a_kda_state(monkeypatch, tiny_checkpoint):
 def test_mutation_store_and_restore_the_tail_ring(monkeypatch, tiny_checkpoint):
     """The bug class of upstream connectors: the per-request kpool ring treated as a cacheable page,
     so one request's ring travels to another."""
-    def with_tail(layout, keys, blocks, kind):
+    def with_tail(layout, keys, blocks, kind, rank=None, table=None):
         wanted = (kind, GroupKind.SKIP) if kind is GroupKind.PAGED else (kind,)
         groups = [g for g in layout.groups if g.kind in wanted]
-        return [plan_module.Page(plan_module.page_key(keys[i], g.name), g, i) for i in blocks for g in groups]
+        return [plan_module.Page(plan_module.page_key(keys[i], g.name), g, i,
+                                 None if table is None else plan_module.physical_block(table, g, i))
+                for i in blocks for g in groups]
 
     monkeypatch.setattr(plan_module, "_pages", with_tail)
     report = verify("memory://", model_dir=tiny_checkpoint)

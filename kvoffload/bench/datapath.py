@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import tempfile
 from contextlib import nullcontext
+from dataclasses import replace
 import threading
 import time
 
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from ..connectors.device_transfer import DeviceTransfer
+from ..connectors.plan import Page
 from ..spec import GroupKind
 from ..store import MemoryStore, open_store
 from .common import machine
@@ -32,7 +34,12 @@ from .transfer import _device_name, _median_gbps, _nbytes, _sync
 
 def _pages(layout, blocks: range, kinds, tag: str) -> list:
     groups = [g for g in layout.cacheable_groups if g.kind in kinds]
-    return [(f"{tag}/{g.name}-{b}".encode(), g, b) for b in blocks for g in groups]
+    return [Page(f"{tag}/{g.name}-{b}".encode(), g, b, b) for b in blocks for g in groups]
+
+
+def _moved(items: list, half: int) -> list:
+    """The same pages (keys) placed `half` blocks further on: where a load puts them back."""
+    return [replace(p, block=p.block + half) for p in items]
 
 
 def run(quick: bool = False, preset: str = "pruned-4l", block_size: int = 64, blocks: int = 256,
@@ -114,10 +121,10 @@ def _memory_tier(cache, kinds, half: int, device, repeats: int) -> dict:
     for _ in range(repeats):
         items = fresh()
         saves.append(timed(lambda: _all(saver.save(store, items), "save")))
-        into = [(key, g, b + half) for key, g, b in items]
+        into = _moved(items, half)
         loads.append(timed(lambda: _all(loader.load(store, into), "load")))
         next_items = fresh()
-        both.append(_both(saver, loader, store, next_items, [(k, g, b + half) for k, g, b in items], device))
+        both.append(_both(saver, loader, store, next_items, _moved(items, half), device))
     _check_round_trip(cache, items, half)
     median = lambda xs, n=nbytes: round(n / float(np.median(xs)) / 1e9, 2)  # noqa: E731
     rows.update({"arena_save_GBps": median(saves), "arena_load_GBps": median(loads),
@@ -166,10 +173,10 @@ def _check_round_trip(cache, items, half: int) -> None:
     would otherwise look fast)."""
     from ..connectors.transfer import page_spans
 
-    for _, g, b in items[:64]:
-        for (src, n), (dst, _) in zip(page_spans(g, b), page_spans(g, b + half)):
+    for p in items[:64]:
+        for (src, n), (dst, _) in zip(page_spans(p.group, p.block), page_spans(p.group, p.block + half)):
             if not torch.equal(cache.buffer[src:src + n], cache.buffer[dst:dst + n]):
-                raise RuntimeError(f"bench datapath: block {b} of {g.name} came back different")
+                raise RuntimeError(f"bench datapath: block {p.block} of {p.group.name} came back different")
 
 
 def _tiered(cache, kinds, half: int, device, repeats: int, tmp: str) -> dict:
@@ -197,7 +204,7 @@ def _tiered(cache, kinds, half: int, device, repeats: int, tmp: str) -> dict:
     for rep in range(repeats):
         _drop_file_cache(os.path.join(tmp, "store", "data.mdb"))
         store = open_store(url)
-        into = [(key, g, b + half) for key, g, b in _pages(cache.layout, range(half), kinds, f"t{rep}")]
+        into = _moved(_pages(cache.layout, range(half), kinds, f"t{rep}"), half)
         loads.append(timed_load(loader, store, into, device))
         store.close()
         raw_reads.append(_raw_read(tmp, nbytes))

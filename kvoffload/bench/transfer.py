@@ -13,10 +13,12 @@ buffer (`device: cpu`), which checks the benchmark, not the link."""
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 
 from ..connectors.device_transfer import DeviceTransfer
+from ..connectors.plan import Page
 from ..connectors.transfer import page_spans
 from ..spec import GroupKind
 from ..store import open_store
@@ -36,11 +38,11 @@ def _median_gbps(fn, nbytes: int, repeats: int, device: torch.device) -> float:
 
 def _pages(layout, blocks: range, kinds) -> list:
     groups = [g for g in layout.cacheable_groups if g.kind in kinds]
-    return [(f"{g.name}-{b}".encode(), g, b) for b in blocks for g in groups]
+    return [Page(f"{g.name}-{b}".encode(), g, b, b) for b in blocks for g in groups]
 
 
 def _nbytes(items) -> int:
-    return sum(g.used_bytes_per_block for _, g, _ in items)
+    return sum(p.group.used_bytes_per_block for p in items)
 
 
 def run(quick: bool = False, preset: str = "pruned-4l", block_size: int = 64, blocks: int = 1024,
@@ -120,7 +122,7 @@ def _workload(cache, save_items, load_items, device, repeats) -> dict:
             live = [batches for batches in live if next(batches, done) is not done]
         _sync(device)
 
-    spans = [span for _, g, b in save_items for span in page_spans(g, b)]
+    spans = [span for p in save_items for span in page_spans(p.group, p.block)]
 
     def per_span_save():  # the naive path: one device-to-host copy per span
         at = 0
@@ -140,7 +142,7 @@ def _workload(cache, save_items, load_items, device, repeats) -> dict:
     }
     store = open_store(f"memory://?capacity={nbytes + (64 << 20)}")
     saver.save(store, save_items)
-    moved = [(key, group, block) for (key, group, _), (_, _, block) in zip(save_items, load_items)]
+    moved = [replace(saved, block=into.block) for saved, into in zip(save_items, load_items)]
     end_to_end = {
         "memory_store_save_GBps": _median_gbps(lambda: saver.save(store, save_items), nbytes, max(1, repeats // 2),
                                                device),

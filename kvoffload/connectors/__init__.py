@@ -4,7 +4,8 @@ adapters for engines: `runner` (the bundled GLM runner) and `vllm` (vLLM's KV co
 `KVOffloadConnector` facade in `vllm`, over its scheduler half `vllm_scheduler` and worker half
 `vllm_worker`)."""
 
-from .offloader import Offloader
+from .offloader import LoadResult, Offloader
 from .plan import Page, hit_blocks, pages_for_load, pages_for_save
+from .transfer import Transfer
 
-__all__ = ["Offloader", "Page", "hit_blocks", "pages_for_load", "pages_for_save"]
+__all__ = ["LoadResult", "Offloader", "Page", "Transfer", "hit_blocks", "pages_for_load", "pages_for_save"]

@@ -19,10 +19,10 @@ import torch
 
 from ..spec import CacheGroup
 from ..store import Store
+from .plan import Page
 from .span_copy import SpanCopier, TileTable
 from .transfer import page_spans
 
-Item = tuple[bytes, CacheGroup, int]  # (store key, group, physical block)
 DEFAULT_STAGING_BYTES = 128 << 20  # per slot; two slots per direction, allocated on first use
 
 
@@ -42,7 +42,7 @@ class _Slot:
 
 
 class DeviceTransfer:
-    """`HostTransfer`'s interface (gather, scatter, save, load) for a cache buffer on a GPU."""
+    """The `Transfer` protocol (and `HostTransfer`'s scatter) for a cache buffer on a GPU."""
 
     def __init__(self, buffer: torch.Tensor, *, staging_bytes: int = DEFAULT_STAGING_BYTES,
                  use_triton: bool | None = None):
@@ -59,7 +59,7 @@ class DeviceTransfer:
         self._templates: dict[int, tuple] = {}
 
     # -- batches and staging -------------------------------------------------------------------------
-    def batches(self, items: Sequence[Item]) -> list[Sequence[Item]]:
+    def batches(self, items: Sequence[Page]) -> list[Sequence[Page]]:
         """Consecutive runs of items whose pages fit one staging slot (a larger page goes alone)."""
         cuts = self._cuts(self._sizes(items))
         return [items[a:b] for a, b in zip(cuts, cuts[1:])]
@@ -91,8 +91,8 @@ class DeviceTransfer:
         return torch.cuda.stream(stream)
 
     @staticmethod
-    def _sizes(items: Sequence[Item]) -> np.ndarray:
-        return np.fromiter([item[1].used_bytes_per_block for item in items], dtype=np.int64, count=len(items))
+    def _sizes(items: Sequence[Page]) -> np.ndarray:
+        return np.fromiter([item.group.used_bytes_per_block for item in items], dtype=np.int64, count=len(items))
 
     def _template(self, group: CacheGroup) -> tuple[np.ndarray, ...]:
         """Per span of a page, in page order: offset in block 0, block stride, length, offset in the page."""
@@ -104,15 +104,16 @@ class DeviceTransfer:
                                                   np.cumsum(spans[:, 1]) - spans[:, 1])
         return entry[1:]
 
-    def _spans(self, batch: Sequence[Item], page_at: np.ndarray, keep: Sequence[bool] | None = None):
+    def _spans(self, batch: Sequence[Page], page_at: np.ndarray, keep: Sequence[bool] | None = None):
         """(buffer offsets, lengths, staging offsets) of every span of the batch's pages (those `keep`
         marks), computed per group for all its blocks at once."""
         if keep is not None:
             chosen = [i for i, k in enumerate(keep) if k]
             batch, page_at = [batch[i] for i in chosen], page_at[chosen]
-        groups = {id(item[1]): item[1] for item in batch}
-        which = np.fromiter([id(item[1]) for item in batch], dtype=np.int64, count=len(batch)) if len(groups) > 1 else None
-        blocks = np.fromiter([item[2] for item in batch], dtype=np.int64, count=len(batch))
+        groups = {id(item.group): item.group for item in batch}
+        which = (np.fromiter([id(item.group) for item in batch], dtype=np.int64, count=len(batch))
+                 if len(groups) > 1 else None)
+        blocks = np.fromiter([item.block for item in batch], dtype=np.int64, count=len(batch))
         parts = []
         for key, group in groups.items():
             mine = slice(None) if which is None else which == key
@@ -139,7 +140,7 @@ class DeviceTransfer:
             stream = self.streams[direction]
             stream.wait_event(after) if after is not None else stream.wait_stream(torch.cuda.current_stream(self.device))
 
-    def _plan(self, items: Sequence[Item]):
+    def _plan(self, items: Sequence[Page]):
         """Page sizes and offsets (back to back), every span of every page sorted by its place in the
         staging order, and the batch cuts over pages and over spans."""
         sizes = self._sizes(items)
@@ -151,7 +152,7 @@ class DeviceTransfer:
         span_cuts = np.searchsorted(at, page_at[cuts[:-1]]).tolist() + [len(at)]
         return sizes, page_at, spans, lengths, at, cuts, span_cuts
 
-    def _staged(self, items: Sequence[Item], after=None):
+    def _staged(self, items: Sequence[Page], after=None):
         """Yield (batch, slot, page offsets in the slot) batch by batch, the pages gathered into the slot's
         device buffer and copied to its pinned host buffer; valid until the next batch
         is requested. The next batch's gather is queued before this one is handed out. The spans of all
@@ -183,13 +184,13 @@ class DeviceTransfer:
             first, end = cuts[k], cuts[k + 1]
             yield items[first:end], slot, (page_at[first:end] - page_at[first]).tolist()
 
-    def pack(self, items: Sequence[Item], after=None) -> Iterator[tuple[Sequence[Item], list[np.ndarray]]]:
+    def pack(self, items: Sequence[Page], after=None) -> Iterator[tuple[Sequence[Page], list[np.ndarray]]]:
         """Yield (batch, a pinned host view of each page) batch by batch; valid until the next batch."""
         for batch, slot, offsets in self._staged(items, after):
-            yield batch, [slot.host_bytes[o:o + item[1].used_bytes_per_block] for item, o in zip(batch, offsets)]
+            yield batch, [slot.host_bytes[o:o + item.group.used_bytes_per_block] for item, o in zip(batch, offsets)]
 
     # -- host -> device ------------------------------------------------------------------------------
-    def unpack(self, batch: Sequence[Item], fill: Callable[[np.ndarray, list[int]], list[bool]], index: int = 0,
+    def unpack(self, batch: Sequence[Page], fill: Callable[[np.ndarray, list[int]], list[bool]], index: int = 0,
                after=None) -> list[bool]:
         """`fill(host staging, page offsets)` writes the batch's pages into pinned staging and says which
         arrived; those are copied to the device and scattered into their blocks. Compute queued after
@@ -215,7 +216,7 @@ class DeviceTransfer:
 
     # -- the transfer interface ----------------------------------------------------------------------
     def gather(self, group: CacheGroup, block: int) -> np.ndarray:
-        for _, views in self.pack([(b"", group, block)]):
+        for _, views in self.pack([Page(b"", group, 0, block)]):
             return views[0].copy()
         raise AssertionError("unreachable")
 
@@ -226,20 +227,20 @@ class DeviceTransfer:
 
         if np.asarray(page).nbytes != group.used_bytes_per_block:
             raise ValueError(f"a {group.name} page is {group.used_bytes_per_block} bytes, got {np.asarray(page).nbytes}")
-        self.unpack([(b"", group, block)], fill)
+        self.unpack([Page(b"", group, 0, block)], fill)
 
-    def save(self, store: Store, pages: Sequence[Item], after=None) -> list[bool]:
+    def save(self, store: Store, pages: Sequence[Page], after=None) -> list[bool]:
         """Gather and store the pages batch by batch; True per page stored. Into an arena (`in_place`
         store) each page is copied by DMA from device staging straight into its slot; other stores
         take pinned host staging."""
         written: list[bool] = []
         if not (store.in_place and self.gpu):
             for batch, views in self.pack(pages, after):
-                written += store.put_many([(key, view) for (key, _, _), view in zip(batch, views)])
+                written += store.put_many([(item.key, view) for item, view in zip(batch, views)])
             return written
         return self._save_in_place(store, pages, after)
 
-    def _save_in_place(self, store: Store, pages: Sequence[Item], after) -> list[bool]:
+    def _save_in_place(self, store: Store, pages: Sequence[Page], after) -> list[bool]:
         """Per staging batch: reserve arena slots, gather on the device, copy by DMA straight into the
         slots (one copy per run of adjacent slots). The next batch's slots are reserved, and the last
         batch's published, while this batch's copies run: the host's bookkeeping hides behind the link.
@@ -253,7 +254,7 @@ class DeviceTransfer:
 
         def reserve(k: int):
             first, end = batches[k]
-            return store.reserve([(key, group.used_bytes_per_block) for key, group, _ in pages[first:end]])
+            return store.reserve([(item.key, item.group.used_bytes_per_block) for item in pages[first:end]])
 
         written: list[bool] = []
         pending = None  # the batch before: (its reservation, its slot's event)
@@ -283,7 +284,7 @@ class DeviceTransfer:
             if pending is not None:
                 written += self._publish(store, *pending)
         if len(batches) > 1 and any(written):  # a later batch may have evicted an earlier one's pages
-            kept = iter(store.contains_many([pages[i][0] for i, ok in enumerate(written) if ok]))
+            kept = iter(store.contains_many([pages[i].key for i, ok in enumerate(written) if ok]))
             written = [ok and next(kept) for ok in written]
         return written
 
@@ -292,7 +293,7 @@ class DeviceTransfer:
         event.synchronize()  # published only once the bytes are in the slots
         return store.publish(reservation, [out is not None for out in reservation.destinations])
 
-    def load(self, store: Store, pages: Sequence[Item], after=None) -> list[bool]:
+    def load(self, store: Store, pages: Sequence[Page], after=None) -> list[bool]:
         """Restore the pages batch by batch; a page missing, failing its checksum or of another size is a
         miss and is not scattered. From an arena the pages are copied by DMA straight from their slots;
         from other stores they are read into pinned staging first. With `after` (a background load) the
@@ -306,12 +307,12 @@ class DeviceTransfer:
                 arrived = [False] * len(batch)
 
                 def consume(j: int, view: memoryview) -> None:
-                    n = batch[j][1].used_bytes_per_block
+                    n = batch[j].group.used_bytes_per_block
                     if view.nbytes == n:
                         host[offsets[j]:offsets[j] + n] = np.frombuffer(view, dtype=np.uint8)
                         arrived[j] = True
 
-                store.read_many([key for key, _, _ in batch], consume)
+                store.read_many([item.key for item in batch], consume)
                 return arrived
 
             ok += self.unpack(batch, fill, index=i % 2, after=after)
@@ -321,7 +322,7 @@ class DeviceTransfer:
                     self._slots[("load", index)].wait()
         return ok
 
-    def _load_in_place(self, store: Store, pages: Sequence[Item], after) -> list[bool]:
+    def _load_in_place(self, store: Store, pages: Sequence[Page], after) -> list[bool]:
         """Per staging batch: hold its pages in their arena slots (leases), copy them by DMA (one copy per
         run of adjacent slots) into device staging, scatter. The next batch is acquired, and the last
         one's leases given back, while this batch's copies run. Copies and kernels have their own streams."""
@@ -333,11 +334,11 @@ class DeviceTransfer:
         batches = self.batches(pages)
         arrived: list[bool] = []
         pending = None  # the batch before: (its leases, its staged event)
-        leases = store.acquire([key for key, _, _ in batches[0]])
+        leases = store.acquire([item.key for item in batches[0]])
         try:
             for k, batch in enumerate(batches):
-                ok = [lease is not None and lease.view.nbytes == group.used_bytes_per_block
-                      for lease, (_, group, _) in zip(leases, batch)]
+                ok = [lease is not None and lease.view.nbytes == item.group.used_bytes_per_block
+                      for lease, item in zip(leases, batch)]
                 sizes = self._sizes(batch)
                 offsets = np.cumsum(sizes) - sizes
                 slot = self._slot("load", k % 2, int(sizes.sum()))
@@ -357,7 +358,7 @@ class DeviceTransfer:
                     store.release(pending[0])
                 pending, leases = (leases, slot.staged), None
                 if k + 1 < len(batches):
-                    leases = store.acquire([key for key, _, _ in batches[k + 1]])
+                    leases = store.acquire([item.key for item in batches[k + 1]])
             kernels.synchronize()  # scattered: compute may read the blocks
         finally:
             copies.synchronize()

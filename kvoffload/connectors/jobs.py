@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..threads import start_background
-from .offloader import BlockTable, Offloader
-from .plan import Page
+from .offloader import Offloader
+from .plan import BlockTable, Page
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,8 @@ class Jobs:
         fence = self.offloader.transfer.fence()
         self._submit(("load", job_id, (list(block_keys), start, end, block_ids, fence)))
 
-    def submit_save(self, job_id, pages: Sequence[tuple[Page, int]]) -> None:
+    def submit_save(self, job_id, pages: Sequence[Page]) -> None:
+        """Save pages placed at their physical blocks (`Page.block`)."""
         fence = self.offloader.transfer.fence()
         self._submit(("save", job_id, (list(pages), fence)))
 
@@ -118,14 +119,14 @@ class Jobs:
                 self._cond.notify_all()
 
     def _load(self, job_id, block_keys, start, end, block_ids, fence) -> JobResult:
-        missing = self.offloader.load_pages(block_keys, start, end, block_ids, after=fence)
-        return JobResult(job_id, "load", not missing, missing=tuple(missing))
+        loaded = self.offloader.load(block_keys, start, end, block_ids, after=fence)
+        return JobResult(job_id, "load", loaded.ok, missing=loaded.missing_keys)
 
     def _save(self, job_id, pages, fence) -> JobResult:
         """Host copies go in slices of SAVE_SLICE pages with the GIL handed back between them: the
         engine's thread, waiting for it, runs its step instead of waiting out the switch interval
         behind a long save. A device transfer waits on its copies without the GIL: one call, pipelined."""
-        step = (len(pages) or 1) if getattr(self.offloader.transfer, "gpu", False) else SAVE_SLICE
+        step = (len(pages) or 1) if self.offloader.transfer.gpu else SAVE_SLICE
         written: list[Page] = []
         for at in range(0, len(pages), step):
             written += self.offloader.save_pages(pages[at:at + step], after=fence)

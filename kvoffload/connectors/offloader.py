@@ -1,8 +1,9 @@
 """The engine-facing offload API: lookup, load and save for one request's blocks, over `plan` and a
 transfer. An engine integrates by handing it block keys (kvoffload's key chain) and block IDs.
 
-Failures never propagate: a store error or a missing, corrupt or wrong-sized page makes `load` return
-False (the engine recomputes those blocks) and `save` store fewer pages; both are counted."""
+Failures never propagate: a store error or a missing, corrupt or wrong-sized page makes `load` return a
+failed `LoadResult` naming the pages that did not arrive (the engine recomputes those blocks) and `save`
+store fewer pages; both are counted."""
 
 from __future__ import annotations
 
@@ -10,27 +11,38 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from typing import Protocol, Union
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from ..spec import CacheLayout
 from ..store import Store
 from ..store.url import redact_url
-from .plan import Page, hit_blocks, pages_for_load, pages_for_save
+from .plan import BlockTable, Page, hit_blocks, pages_for_load, pages_for_save
+from .transfer import Transfer
 
 log = logging.getLogger(__name__)
 
-# A request's block table: one for every group (the bundled runner), or one per group index (vLLM's
-# hybrid allocator gives each group its own block IDs).
-BlockTable = Union[Sequence[int], Mapping[int, Sequence[int]]]
 
+@dataclass(frozen=True)
+class LoadResult:
+    """What a load restored: all of its pages (true) or not (false: `missing` names the pages that did
+    not arrive; after an exception, every page of the load)."""
 
-def physical_block(table: BlockTable, page: Page) -> int:
-    if isinstance(table, Mapping):
-        return table[page.group.index][page.index]
-    return table[page.index]
+    missing: tuple[Page, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing
+
+    @property
+    def missing_keys(self) -> tuple[bytes, ...]:
+        return tuple(p.key for p in self.missing)
+
+    def __bool__(self) -> bool:
+        return self.ok
 
 
 class Observer(Protocol):
@@ -38,15 +50,15 @@ class Observer(Protocol):
 
     def saved(self, page: Page, data: np.ndarray) -> None: ...
 
-    def loaded(self, page: Page, block_id: int) -> None: ...
+    def loaded(self, page: Page) -> None: ...
 
 
 class Offloader:
-    def __init__(self, store: Store, layout: CacheLayout, transfer, observer: Observer | None = None):
-        self.store, self.layout, self.transfer, self.observer = store, layout, transfer, observer
+    def __init__(self, store: Store, layout: CacheLayout, transfer: Transfer, observer: Observer | None = None):
+        self.store, self.layout, self.observer = store, layout, observer
+        self.transfer: Transfer = transfer
         self.counters: Counter[str] = Counter()
         self._counter_lock = threading.Lock()  # loads and saves may run on background threads (`jobs`)
-        self.missing_keys: list[bytes] = []  # pages the last failed `load` did not find
         # A store that can never take some group's page (a capacity below one page) can never serve a hit
         # (a hit needs every group's page): said once here; saves are then skipped and counted, rather than
         # an error on every save.
@@ -74,59 +86,56 @@ class Offloader:
         self._count(lookups=1, hit_blocks=found - have_blocks)
         return found
 
-    def load(self, block_keys: Sequence[bytes], start: int, end: int, block_ids: BlockTable) -> bool:
-        """Restore blocks [start, end) into the request's block table; all or nothing."""
-        self.missing_keys = self.load_pages(block_keys, start, end, block_ids)
-        return not self.missing_keys
-
-    def load_pages(self, block_keys: Sequence[bytes], start: int, end: int, block_ids: BlockTable,
-                   after=None) -> list[bytes]:
-        """`load` for any thread: the keys of the pages that did not arrive (empty: all restored).
-        `after` is the transfer's fence: device work queued before it is done before the load writes."""
-        pages = pages_for_load(self.layout, block_keys, start, end)
+    def load(self, block_keys: Sequence[bytes], start: int, end: int, block_ids: BlockTable,
+             after=None) -> LoadResult:
+        """Restore blocks [start, end) into the request's block table; all or nothing. Any thread may
+        call it (`jobs`): `after` is the transfer's fence, device work queued before it is done before
+        the load writes."""
+        pages: list[Page] = []
         started = time.perf_counter()
         try:
-            ok = self.transfer.load(self.store, [(p.key, p.group, physical_block(block_ids, p)) for p in pages],
-                                    after=after)
-        except Exception as exc:  # noqa: BLE001
+            pages = pages_for_load(self.layout, block_keys, start, end, block_ids)
+            ok = self.transfer.load(self.store, pages, after=after)
+            elapsed = time.perf_counter() - started
+            if all(ok) and self.observer:
+                for page in pages:
+                    self.observer.loaded(page)
+        except Exception as exc:  # noqa: BLE001 - every page of a load that raised is a miss
             log.error("kvoffload load failed: %s", exc, exc_info=True)
+            pages = pages or pages_for_load(self.layout, block_keys, start, end)  # a bad block table
             ok = [False] * len(pages)
         if not all(ok):
             self._count(load_failures=1, pages_missing=ok.count(False))
-            return [p.key for p, good in zip(pages, ok) if not good]
-        self._count(load_microseconds=int((time.perf_counter() - started) * 1e6), loaded_pages=len(pages),
+            return LoadResult(tuple(p for p, good in zip(pages, ok) if not good))
+        self._count(load_microseconds=int(elapsed * 1e6), loaded_pages=len(pages),
                     loaded_bytes=sum(p.group.used_bytes_per_block for p in pages))
-        if self.observer:
-            for page in pages:
-                self.observer.loaded(page, physical_block(block_ids, page))
-        return []
+        return LoadResult()
 
     def save(self, block_keys: Sequence[bytes], full_blocks: int, state_blocks: Sequence[int],
              block_ids: BlockTable) -> int:
         """Store the pages of computed blocks that the store lacks; the number of pages written."""
-        pages = pages_for_save(self.layout, block_keys, full_blocks, state_blocks)
-        return len(self.save_pages([(p, physical_block(block_ids, p)) for p in pages]))
+        return len(self.save_pages(pages_for_save(self.layout, block_keys, full_blocks, state_blocks, block_ids)))
 
-    def save_pages(self, pages: Sequence[tuple[Page, int]], after=None) -> list[Page]:
-        """Store explicit (page, physical block) pairs, skipping pages already stored; the pages written.
-        `after` is the transfer's fence: the pages are read after the device work queued before it."""
+    def save_pages(self, pages: Sequence[Page], after=None) -> list[Page]:
+        """Store explicit pages (placed at their physical blocks), skipping pages already stored; the
+        pages written. `after` is the transfer's fence: the pages are read after the device work queued
+        before it."""
         if self.saves_off:
             self._count(save_skipped_too_large=len(pages))
             return []
         try:
-            present = self.store.contains_many([p.key for p, _ in pages])
-            todo = [(p, block) for (p, block), there in zip(pages, present) if not there]
-            batch = [(p.key, p.group, block) for p, block in todo]
+            present = self.store.contains_many([p.key for p in pages])
+            todo = [p for p, there in zip(pages, present) if not there]
             if self.observer:
-                for page, block in todo:
-                    self.observer.saved(page, self.transfer.gather(page.group, block))
+                for page in todo:
+                    self.observer.saved(page, self.transfer.gather(page.group, page.block))
             started = time.perf_counter()
-            written = self.transfer.save(self.store, batch, after=after)
+            written = self.transfer.save(self.store, todo, after=after)
         except Exception as exc:  # noqa: BLE001
             log.error("kvoffload save failed: %s", exc, exc_info=True)
             self._count(save_errors=1)
             return []
         self._count(save_microseconds=int((time.perf_counter() - started) * 1e6), saved_pages=sum(written),
-                    saved_bytes=sum(p.group.used_bytes_per_block for (p, _), w in zip(todo, written) if w),
+                    saved_bytes=sum(p.group.used_bytes_per_block for p, w in zip(todo, written) if w),
                     save_skipped_present=len(pages) - len(todo), save_dropped=len(written) - sum(written))
-        return [p for (p, _), w in zip(todo, written) if w]
+        return [p for p, w in zip(todo, written) if w]

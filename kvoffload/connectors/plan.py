@@ -14,24 +14,39 @@ pages of every rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Union
 
 from ..spec import CacheGroup, CacheLayout, GroupKind, page_key, shard_key
 
+# A request's block table: one for every group (the bundled runner), or one per group index (vLLM's
+# hybrid allocator gives each group its own block IDs).
+BlockTable = Union[Sequence[int], Mapping[int, Sequence[int]]]
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, slots=True)
 class Page:
+    """A page to move: the one reference plan, offloader, jobs and transfers share."""
+
     key: bytes  # store key: page_key(block key, group name)
     group: CacheGroup
     index: int  # block index within the request (block i covers tokens [i*B, (i+1)*B))
+    block: int | None = None  # physical block in the cache; None until placed through a block table
 
 
-def page(layout, block_key: bytes, group: CacheGroup, index: int, rank: int | None = None) -> Page:
+def physical_block(table: BlockTable, group: CacheGroup, index: int) -> int:
+    """Where block `index` of a request lives for `group`, under `table`."""
+    return table[group.index][index] if isinstance(table, Mapping) else table[index]
+
+
+def page(layout, block_key: bytes, group: CacheGroup, index: int, rank: int | None = None,
+         block: int | None = None) -> Page:
     """One group's page of a block, keyed for `rank` (default: the layout's own TP rank; a scheduler's
-    rank-free view names rank 0's)."""
+    rank-free view names rank 0's), at physical `block` if given."""
     rank = getattr(layout, "tp_rank", 0) if rank is None else rank
-    return Page(page_key(shard_key(block_key, rank, layout.tp_size, group.tp_replicas), group.name), group, index)
+    return Page(page_key(shard_key(block_key, rank, layout.tp_size, group.tp_replicas), group.name), group, index,
+                block)
 
 
 def writes(layout: CacheLayout, group: CacheGroup) -> bool:
@@ -40,9 +55,11 @@ def writes(layout: CacheLayout, group: CacheGroup) -> bool:
 
 
 def _pages(layout, block_keys: Sequence[bytes], blocks: Iterable[int], kind: GroupKind,
-           rank: int | None = None) -> list[Page]:
+           rank: int | None = None, table: BlockTable | None = None) -> list[Page]:
     groups = [g for g in layout.cacheable_groups if g.kind is kind]
-    return [page(layout, block_keys[i], g, i, rank) for i in blocks for g in groups]
+    if table is None:
+        return [page(layout, block_keys[i], g, i, rank) for i in blocks for g in groups]
+    return [page(layout, block_keys[i], g, i, rank, physical_block(table, g, i)) for i in blocks for g in groups]
 
 
 def _every_rank(layout, block_keys: Sequence[bytes], blocks: range, kind: GroupKind) -> list[Page]:
@@ -77,20 +94,22 @@ def hit_blocks(layout: CacheLayout, block_keys: Sequence[bytes], num_prompt_toke
     return best
 
 
-def pages_for_load(layout: CacheLayout, block_keys: Sequence[bytes], start: int, end: int) -> list[Page]:
-    """Pages to restore blocks [start, end): their PAGED pages and the STATE checkpoint at `end`."""
+def pages_for_load(layout: CacheLayout, block_keys: Sequence[bytes], start: int, end: int,
+                   table: BlockTable | None = None) -> list[Page]:
+    """Pages to restore blocks [start, end): their PAGED pages and the STATE checkpoint at `end`
+    (placed at their physical blocks under `table`, if given)."""
     if end <= start:
         return []
-    return (_pages(layout, block_keys, range(start, end), GroupKind.PAGED)
-            + _pages(layout, block_keys, [end - 1], GroupKind.STATE))
+    return (_pages(layout, block_keys, range(start, end), GroupKind.PAGED, table=table)
+            + _pages(layout, block_keys, [end - 1], GroupKind.STATE, table=table))
 
 
 def pages_for_save(layout: CacheLayout, block_keys: Sequence[bytes], full_blocks: int,
-                   state_blocks: Iterable[int]) -> list[Page]:
+                   state_blocks: Iterable[int], table: BlockTable | None = None) -> list[Page]:
     """PAGED pages of every full computed block; STATE pages only where a boundary checkpoint exists;
-    of a replicated group only on the rank that writes it."""
+    of a replicated group only on the rank that writes it (placed under `table`, if given)."""
     blocks = range(min(full_blocks, len(block_keys)))
     with_state = sorted(set(state_blocks) & set(blocks))
-    pages = (_pages(layout, block_keys, blocks, GroupKind.PAGED)
-             + _pages(layout, block_keys, with_state, GroupKind.STATE))
+    pages = (_pages(layout, block_keys, blocks, GroupKind.PAGED, table=table)
+             + _pages(layout, block_keys, with_state, GroupKind.STATE, table=table))
     return [p for p in pages if writes(layout, p.group)]

@@ -21,7 +21,7 @@ class RunnerConnector:
         if total <= have:
             return
         engine.ensure_blocks(request, total * engine.block_size)
-        if self.offloader.load(prompt_keys, have, total, request.blocks):
+        if self.offloader.load(prompt_keys, have, total, request.blocks).ok:
             engine.mark_checkpoint(request.blocks[total - 1])
             request.computed = total * engine.block_size
             request.loaded_tokens = (total - have) * engine.block_size

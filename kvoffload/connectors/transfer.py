@@ -1,17 +1,39 @@
 """Moving pages between a cache's backing buffer and a store. A page is the concatenation of the used
 bytes of its group's layers in one block (padding and other groups are never copied).
 
-`HostTransfer` works on a host buffer with plain copies (CPU); `device_transfer.DeviceTransfer` does
-the same for a GPU buffer through pinned staging and its own streams. `make_transfer` picks one."""
+`Transfer` is what the offloader and its jobs use; `HostTransfer` implements it on a host buffer with
+plain copies (CPU), `device_transfer.DeviceTransfer` on a GPU buffer through pinned staging and its own
+streams. `make_transfer` picks one."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from ..spec import CacheGroup
 from ..store import Store
+from .plan import Page
+
+
+@runtime_checkable
+class Transfer(Protocol):
+    """Moves pages (placed at their physical blocks, `Page.block`) between a cache and a store."""
+
+    gpu: bool  # copies run on device streams: a save waits on them without the GIL (see `jobs`)
+
+    def fence(self):
+        """An ordering token for `after` (None where copies need none)."""
+
+    def gather(self, group: CacheGroup, block: int) -> np.ndarray:
+        """A copy of one page, as the cache holds it now."""
+
+    def save(self, store: Store, pages: Sequence[Page], after=None) -> list[bool]:
+        """Store the pages; True per page made durable."""
+
+    def load(self, store: Store, pages: Sequence[Page], after=None) -> list[bool]:
+        """Restore the pages; True per page that arrived whole (any other is left untouched)."""
 
 
 def page_spans(group: CacheGroup, block: int) -> list[tuple[int, int]]:
@@ -30,6 +52,8 @@ def _as_bytes(buffer) -> np.ndarray:
 
 
 class HostTransfer:
+    gpu = False
+
     def __init__(self, buffer):
         self.buffer = _as_bytes(buffer)
 
@@ -52,34 +76,34 @@ class HostTransfer:
             self.buffer[offset:offset + n] = page[at:at + n]
             at += n
 
-    def save(self, store: Store, pages: Sequence[tuple[bytes, CacheGroup, int]], after=None) -> list[bool]:
-        """Gather each (key, group, physical block) straight into the store's destination (an arena slot,
-        or a buffer a persistent tier then writes); True per page made durable."""
+    def save(self, store: Store, pages: Sequence[Page], after=None) -> list[bool]:
+        """Gather each page straight into the store's destination (an arena slot, or a buffer a
+        persistent tier then writes); True per page made durable."""
         def fill(destinations: list[np.ndarray | None]) -> list[bool]:
-            for (_, group, block), out in zip(pages, destinations):
+            for p, out in zip(pages, destinations):
                 if out is not None:
-                    self.gather(group, block, out)
+                    self.gather(p.group, p.block, out)
             return [out is not None for out in destinations]
 
-        return store.write_many([(key, group.used_bytes_per_block) for key, group, _ in pages], fill) if pages else []
+        return store.write_many([(p.key, p.group.used_bytes_per_block) for p in pages], fill) if pages else []
 
-    def load(self, store: Store, pages: Sequence[tuple[bytes, CacheGroup, int]], after=None) -> list[bool]:
+    def load(self, store: Store, pages: Sequence[Page], after=None) -> list[bool]:
         """Fetch the batch and scatter every page that arrived verified and of the exact page size; a
         page of any other size is a miss (another layout's bytes can never land in this cache)."""
         ok = [False] * len(pages)
 
         def consume(i: int, view: memoryview) -> None:
-            _, group, block = pages[i]
-            if view.nbytes == group.used_bytes_per_block:
-                self.scatter(group, block, np.frombuffer(view, dtype=np.uint8))
+            p = pages[i]
+            if view.nbytes == p.group.used_bytes_per_block:
+                self.scatter(p.group, p.block, np.frombuffer(view, dtype=np.uint8))
                 ok[i] = True
 
         if pages:
-            store.read_many([key for key, _, _ in pages], consume)
+            store.read_many([p.key for p in pages], consume)
         return ok
 
 
-def make_transfer(buffer, **options):
+def make_transfer(buffer, **options) -> Transfer:
     """The transfer for a cache buffer: plain copies on the host, the staged engine on a GPU."""
     if type(buffer).__module__.startswith("torch") and buffer.device.type != "cpu":
         from .device_transfer import DeviceTransfer

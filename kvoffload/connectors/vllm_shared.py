@@ -20,7 +20,9 @@ class LoadJob:
 @dataclass
 class SaveJob:
     req_id: str
-    pages: list[tuple[bytes, int, int, int]]  # (block key, group index, block index, physical block id)
+    # (block key, group index, block index, physical block id): plain tuples, compact on vLLM's pickled
+    # scheduler -> worker channel; each worker turns them into its own rank's `plan.Page`s on arrival.
+    pages: list[tuple[bytes, int, int, int]]
     job_id: int = 0  # the scheduler's: reported back when the job is done, to unpin its blocks
 
 

@@ -104,7 +104,7 @@ class _Worker:
             return
         layout = self.offloader.layout
         for job in meta.saves:  # this rank's keys; a replicated group's pages only on its writing rank
-            pages = [(page(layout, key, layout.groups[g], index), block) for key, g, index, block in job.pages
+            pages = [page(layout, key, layout.groups[g], index, block=block) for key, g, index, block in job.pages
                      if writes(layout, layout.groups[g])]
             self._saving[job.req_id] += 1
             self.jobs.submit_save((job.job_id, job.req_id), pages)

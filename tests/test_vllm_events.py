@@ -1,0 +1,91 @@
+"""KV cache events (`kvoffload.connectors.vllm_events`) through vLLM's real Scheduler on the GLM spec stack:
+the batches vLLM's publisher receives carry BlockStored for the blocks the store holds (vLLM's hashes,
+chained by parent), BlockRemoved for pages a load found missing and on reset; nothing when events are off."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from test_vllm_scheduler_glm import BLOCK, _Engine, _glm_vllm_config, _prompt  # noqa: E402
+
+from kvoffload.connectors.plan import page_key  # noqa: E402
+from kvoffload.spec import GroupKind  # noqa: E402
+from kvoffload.spec.vllm import group_name  # noqa: E402
+
+
+def _engine(tmp_path, events: bool):
+    from vllm.config.kv_events import KVEventsConfig
+
+    from kvoffload.store import shared_store
+
+    vc, worker_cfg = _glm_vllm_config(BLOCK, f"lmdb://{tmp_path}/store?capacity=256MiB")
+    if events:
+        vc.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    engine = _Engine(vc, worker_cfg)
+    kinds = engine.connector.kinds
+    store = shared_store(f"lmdb://{tmp_path}/store?capacity=256MiB")
+    build = engine.scheduler._build_kv_connector_meta
+
+    def build_and_write(connector, scheduler_output):  # the worker's part: the job's pages land in the store
+        meta = build(connector, scheduler_output)
+        pages = [(page_key(key, group_name(g, kinds[g])), b"page") for job in meta.saves for key, g, _, _ in job.pages]
+        assert all(store.put_many(pages))
+        return meta
+
+    engine.scheduler._build_kv_connector_meta = build_and_write
+    batches = []
+    engine.scheduler.kv_event_publisher.publish = batches.append  # what vLLM's publisher is handed
+    return engine, batches
+
+
+def _ours(batches, kind):
+    return [e for b in batches for e in b.events if type(e).__name__ == kind and e.medium == "STORAGE"]
+
+
+def test_saved_blocks_are_published_with_vllms_hashes_and_removed(tmp_path):
+    engine, batches = _engine(tmp_path, events=True)
+    prompt = _prompt(3)
+    request = engine.add("r", prompt)
+    engine.run()
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as vllm_hash  # what vLLM's own events carry
+
+    hashes = [vllm_hash(h) for h in request.block_hashes]
+    kinds = engine.connector.kinds
+    saved = {(g, index) for step in engine.steps for job in step["meta"].saves for _, g, index, _ in job.pages}
+    needed = [g for g, k in enumerate(kinds) if k in (GroupKind.PAGED, GroupKind.STATE)]
+    held = [i for i in range(len(prompt) // BLOCK) if all((g, i) in saved for g in needed)]
+    assert held == [0, 1, 2]  # align mode hands a KDA checkpoint off at every boundary here
+    stored = _ours(batches, "BlockStored")
+    assert [e.block_hashes for e in stored] == [[hashes[i]] for i in held]  # once each
+    for i, event in zip(held, stored):
+        assert event.token_ids == prompt[i * BLOCK:(i + 1) * BLOCK]
+        assert event.block_size == BLOCK and event.lora_id is None and event.group_idx is None
+        assert event.parent_block_hash == (hashes[i - 1] if i else None)
+    # A load that found one of block 1's pages missing: block 1 is no longer held.
+    scheduler = engine.connector.connector_scheduler
+    lost = page_key(engine.connector.chain.keys(prompt)[1], group_name(needed[0], kinds[needed[0]]))
+    from kvoffload.connectors.vllm import StoredPages
+
+    scheduler.update_connector_output(SimpleNamespace(kv_connector_worker_meta=StoredPages(missing={lost}),
+                                                      failed_recving=None))
+    removed = list(engine.connector.take_events())
+    assert [(type(e).__name__, e.block_hashes, e.medium) for e in removed] == [
+        ("BlockRemoved", [hashes[1]], "STORAGE")]
+    # reset_cache: the blocks still announced are removed.
+    assert engine.connector.reset_cache() is True
+    removed = list(engine.connector.take_events())
+    assert [(type(e).__name__, sorted(e.block_hashes)) for e in removed] == [
+        ("BlockRemoved", sorted([hashes[0], hashes[2]]))]
+
+
+def test_no_events_unless_vllm_publishes_them(tmp_path):
+    engine, batches = _engine(tmp_path, events=False)
+    engine.add("r", _prompt(3))
+    engine.run()
+    assert any(job.pages for step in engine.steps for job in step["meta"].saves)
+    assert engine.connector.connector_scheduler._events is None
+    assert list(engine.connector.take_events()) == []

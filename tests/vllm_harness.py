@@ -324,6 +324,10 @@ def _child_generate(spec_path: str) -> None:
     if spec["kv_transfer_config"] is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
     kwargs.update(spec["engine_kwargs"])
+    if isinstance(kwargs.get("kv_events_config"), dict):  # JSON-borne: vLLM's LLM wants the config object
+        from vllm.config.kv_events import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(**kwargs["kv_events_config"])
     t0 = time.monotonic()
     llm = LLM(**kwargs)
     startup = time.monotonic() - t0

@@ -17,26 +17,42 @@ from kvoffload.spec import GroupKind  # noqa: E402
 from kvoffload.spec.vllm import group_name  # noqa: E402
 
 
-def _engine(tmp_path, events: bool):
+def _engine(tmp_path, events: bool, memory: str | None = None):
+    """The GLM harness with the worker's writes simulated: into LMDB, or (`memory`: a memory:// URL)
+    reported to the scheduler's mirror as `StoredPages.added`, 100 bytes a page, with the jobs."""
     from vllm.config.kv_events import KVEventsConfig
 
+    from kvoffload.connectors.vllm import StoredPages
     from kvoffload.store import shared_store
 
-    vc, worker_cfg = _glm_vllm_config(BLOCK, f"lmdb://{tmp_path}/store?capacity=256MiB")
+    vc, worker_cfg = _glm_vllm_config(BLOCK, memory or f"lmdb://{tmp_path}/store?capacity=256MiB")
     if events:
         vc.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     engine = _Engine(vc, worker_cfg)
     kinds = engine.connector.kinds
-    store = shared_store(f"lmdb://{tmp_path}/store?capacity=256MiB")
+    store = None if memory else shared_store(f"lmdb://{tmp_path}/store?capacity=256MiB")
     build = engine.scheduler._build_kv_connector_meta
+    written: list[bytes] = []
 
     def build_and_write(connector, scheduler_output):  # the worker's part: the job's pages land in the store
         meta = build(connector, scheduler_output)
-        pages = [(page_key(key, group_name(g, kinds[g])), b"page") for job in meta.saves for key, g, _, _ in job.pages]
-        assert all(store.put_many(pages))
+        written.extend(page_key(key, group_name(g, kinds[g])) for job in meta.saves for key, g, _, _ in job.pages)
+        if store is not None:
+            assert all(store.put_many([(key, b"page") for key in written]))
+            written.clear()
         return meta
 
     engine.scheduler._build_kv_connector_meta = build_and_write
+    scheduler = engine.connector.connector_scheduler
+    update = scheduler.update_connector_output
+
+    def update_with_added(output):  # a memory store's writes reach the scheduler in the workers' report
+        if isinstance(getattr(output, "kv_connector_worker_meta", None), StoredPages):
+            output.kv_connector_worker_meta.added.update((key, 100) for key in written)
+            written.clear()
+        update(output)
+
+    scheduler.update_connector_output = update_with_added
     batches = []
     engine.scheduler.kv_event_publisher.publish = batches.append  # what vLLM's publisher is handed
     return engine, batches
@@ -89,3 +105,17 @@ def test_no_events_unless_vllm_publishes_them(tmp_path):
     assert any(job.pages for step in engine.steps for job in step["meta"].saves)
     assert engine.connector.connector_scheduler._events is None
     assert list(engine.connector.take_events()) == []
+
+
+def test_memory_mirror_evictions_are_published_as_removed(tmp_path):
+    """A memory:// store (medium CPU): the scheduler's mirror evicts the oldest pages to stay within the
+    capacity (10 pages of 100 bytes, a block needs 4): block 0 is removed when block 2 arrives."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as vllm_hash
+
+    engine, batches = _engine(tmp_path, events=True, memory="memory://?capacity=1000")
+    request = engine.add("r", _prompt(4))
+    engine.run()
+    hashes = [vllm_hash(h) for h in request.block_hashes]
+    events = [(type(e).__name__, e.block_hashes, e.medium) for b in batches for e in b.events if e.medium == "CPU"]
+    assert events == [("BlockStored", [hashes[0]], "CPU"), ("BlockStored", [hashes[1]], "CPU"),
+                      ("BlockRemoved", [hashes[0]], "CPU"), ("BlockStored", [hashes[2]], "CPU")]

@@ -119,3 +119,30 @@ def test_memory_mirror_evictions_are_published_as_removed(tmp_path):
     events = [(type(e).__name__, e.block_hashes, e.medium) for b in batches for e in b.events if e.medium == "CPU"]
     assert events == [("BlockStored", [hashes[0]], "CPU"), ("BlockStored", [hashes[1]], "CPU"),
                       ("BlockRemoved", [hashes[0]], "CPU"), ("BlockStored", [hashes[2]], "CPU")]
+
+
+def test_a_physical_block_carries_each_of_vllms_finer_hashes(tmp_path):
+    """vLLM's hash unit finer than the physical block (`prefix_match_unit`): a block's event carries its
+    hash units' hashes in order, `block_size` is the unit, the parent is the unit hash just before it."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as vllm_hash
+
+    from kvoffload.connectors.vllm_events import KVEvents
+
+    engine, _ = _engine(tmp_path, events=True)
+    view, prompt = engine.connector.view, _prompt(5)
+    unit = BLOCK // 4
+    request = SimpleNamespace(block_hashes=[bytes([i]) * 32 for i in range(len(prompt) // unit)],
+                              prompt_token_ids=prompt, lora_request=SimpleNamespace(adapter_id=3, name="ad"))
+    events = KVEvents(view, "CPU", unit, lambda keys: [True] * len(keys))
+    keys = engine.connector.chain.keys(prompt)
+    events.saved(request, keys, [1, 0])
+    events.check()
+    stored = events.take()
+    assert [e.block_hashes for e in stored] == [[vllm_hash(h) for h in request.block_hashes[i * 4:(i + 1) * 4]]
+                                                for i in (0, 1)]
+    assert [e.parent_block_hash for e in stored] == [None, vllm_hash(request.block_hashes[3])]
+    assert [e.token_ids for e in stored] == [prompt[:BLOCK], prompt[BLOCK:2 * BLOCK]]
+    assert {(e.block_size, e.lora_id, e.lora_name, e.medium) for e in stored} == {(unit, 3, "ad", "CPU")}
+    events.saved(request, keys, [0, 1])  # saved again: announced once
+    events.check()
+    assert events.take() == []

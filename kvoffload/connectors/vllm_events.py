@@ -13,8 +13,9 @@ Fields follow vLLM's own OffloadingConnector (`offloading/events.py`):
 A block is *held* in the store when a hit through it can be served: the PAGED pages of the block on
 every TP rank and, for a model with STATE groups, the STATE checkpoint at its end boundary (`plan`).
 In a hybrid model a block without a checkpoint is therefore never announced. A block is announced once
-per medium: when a save makes it held (checked against the store after the job is reported) or a lookup
-finds it held (after a restart, say); it is removed when a page of it is evicted from the scheduler's
+per medium: when a save makes it held (checked against the store when save jobs are reported, a few
+times: a `tiered://` write-behind reaches the disk later) or a lookup finds it held (after a restart,
+say; pages of a save in flight count, as for hits); it is removed when a page of it is evicted from the scheduler's
 mirror of a memory store, when a load finds a page missing, or on `reset_cache`. LMDB's own evictions
 happen in the worker's writer and are not reported (the scheduler would have to read every eviction);
 a router learns of them when a load reports the page missing. Memory is bounded: payloads are kept
@@ -52,7 +53,8 @@ class _Block:
 class KVEvents:
     """Block payloads from save/lookup to removal, and the events not yet taken by vLLM."""
 
-    MAX_CHECKS = 64  # a saved block not held after this many reports (no checkpoint, a dropped save) is dropped
+    MAX_CHECKS = 8  # a saved block not held after this many job reports (no checkpoint, a dropped save) is dropped
+    MAX_PENDING = 4096  # saved blocks waiting to be seen held (each check queries all their pages)
 
     def __init__(self, layout, medium: str, hash_block_size: int, contains: Callable[[list[bytes]], list[bool]],
                  max_blocks: int = 1 << 16):
@@ -91,7 +93,7 @@ class KVEvents:
             block = self._block(request, block_keys, i)
             if block is not None:
                 self._pending[key] = block
-                while len(self._pending) > self.max_blocks:
+                while len(self._pending) > self.MAX_PENDING:
                     self._pending.popitem(last=False)
 
     def held(self, request, block_keys: Sequence[bytes], indices: Iterable[int]) -> None:

@@ -4,6 +4,7 @@ start costs ~30 s on 2 cores, so every test starts as few engines as it can."""
 
 import os
 import textwrap
+import time
 
 import lmdb
 import pytest
@@ -269,3 +270,56 @@ def test_a_crafted_cache_salt_never_loads_another_requests_kv(llama_dir, tmp_pat
     assert attacked[0]["tokens"] == own_cold[0]["tokens"]
     assert own_cold[0]["tokens"] != base[0]["tokens"], "the adapter must change the output for this test to bite"
     assert again[0]["num_external_cached_tokens"] > 0 and again[0]["tokens"] == base[0]["tokens"]  # its own: hit
+
+
+def test_kv_events_reach_vllms_zmq_publisher(llama_dir, tmp_path):
+    """`--kv-events-config` (publisher zmq): after a cold run on LMDB, a subscriber reading vLLM's msgpack
+    batches sees one BlockStored per full prompt block with medium STORAGE, vLLM's own hashes (those of
+    its GPU events for the same tokens), chained by parent; the warm run's hits announce nothing again."""
+    import threading
+
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+
+    port = vh.free_port()
+    batches, stop = [], threading.Event()
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+
+    def read():  # (topic, seq, msgpack KVEventBatch) per publish
+        while not stop.is_set():
+            if sub.poll(100):
+                batches.append(decoder.decode(sub.recv_multipart()[2]))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        cold, warm = vh.run_generations(
+            llama_dir, connector(store_url("lmdb", tmp_path)), [[PROMPT_A, PROMPT_B]] * 2, dtype="float32",
+            block_size=BLOCK, engine_kwargs={"kv_events_config": {
+                "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}})
+        time.sleep(1)  # the last batches in flight
+    finally:
+        stop.set()
+        reader.join(5)
+        sub.close(0)
+        context.term()
+    _assert_served(cold, warm, [64, 96])
+    events = [event for batch in batches for event in batch.events]
+    ours = [e for e in events if isinstance(e, BlockStored) and e.medium == "STORAGE"]
+    blocks = [PROMPT_A[i * BLOCK:(i + 1) * BLOCK] for i in range(2)] + [PROMPT_B[i * BLOCK:(i + 1) * BLOCK]
+                                                                      for i in range(3)]
+    assert [e.token_ids for e in ours] == blocks  # once each: the warm run's hits add nothing
+    assert all(e.block_size == BLOCK and len(e.block_hashes) == 1 and e.lora_id is None and e.group_idx == 0
+               for e in ours)
+    for chain in (ours[:2], ours[2:]):
+        assert chain[0].parent_block_hash is None
+        assert [e.parent_block_hash for e in chain[1:]] == [e.block_hashes[0] for e in chain[:-1]]
+    gpu = {h for e in events if isinstance(e, BlockStored) and e.medium == "GPU" for h in e.block_hashes}
+    assert {e.block_hashes[0] for e in ours} <= gpu, "the connector's hashes are not vLLM's"
+    assert not [e for e in events if isinstance(e, BlockRemoved) and e.medium == "STORAGE"]

@@ -332,6 +332,10 @@ def _child(spec_json: str, reply_fd: str) -> None:
     if spec["kv_transfer_config"]:
         kwargs["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
     kwargs.update(spec["engine_kwargs"])
+    if isinstance(kwargs.get("kv_events_config"), dict):  # JSON-borne: vLLM's LLM wants the config object
+        from vllm.config.kv_events import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(**kwargs["kv_events_config"])
     hook_seconds = _time_connector_hooks(spec["kv_transfer_config"]) if spec["in_process"] else [0.0]
     started = time.perf_counter()
     llm = LLM(**kwargs)

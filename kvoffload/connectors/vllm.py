@@ -138,6 +138,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             workers = max(int(getattr(parallel, "world_size", 1) or 1), 1)
             self.connector_scheduler = _Scheduler(self.view, self.chain, self.store_url, self.tp_size, workers,
                                                   self.namespace)
+            events = getattr(vllm_config, "kv_events_config", None)
+            if events is not None and events.enable_kv_cache_events:  # vLLM drains take_events every step
+                self.connector_scheduler.enable_events(
+                    getattr(kv_cache_config, "hash_block_size", None) or self.block_size)
         else:
             self.connector_worker = _Worker(kv_cache_config, self.view, self.store_url,
                                             f"{model_id}#{self.model_identity}", self.tp_rank, self.tp_size,
@@ -178,6 +182,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         """`reset_prefix_cache(reset_connector=True)`: forget this namespace's cached prefixes (see
         `_Scheduler.reset_cache`); False, with the reason logged, where that cannot be done."""
         return self.connector_scheduler.reset_cache() if self.connector_scheduler is not None else True
+
+    def take_events(self):
+        """BlockStored / BlockRemoved for the blocks the store holds (`vllm_events`); vLLM publishes them."""
+        return self.connector_scheduler.take_events() if self.connector_scheduler is not None else ()
 
     def request_finished_all_groups(self, request: Request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished(request, block_ids)

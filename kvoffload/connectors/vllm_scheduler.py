@@ -14,6 +14,7 @@ from ..spec.vllm import KindsLayout
 from ..store import parse_url, shared_store
 from ..store.url import redact_url
 from .plan import hit_blocks, page
+from .vllm_events import KVEvents, medium_for
 from .vllm_shared import KVOffloadMetadata, LoadJob, SaveJob, StoredPages
 
 if TYPE_CHECKING:
@@ -38,7 +39,9 @@ class _MirrorIndex:
         self.used -= self.sizes.pop(key, 0)
         self.policy.remove(key)
 
-    def update(self, report: StoredPages) -> None:
+    def update(self, report: StoredPages) -> set[bytes]:
+        """Apply a report; returns the keys it no longer holds (missing at a load, evicted)."""
+        dropped = set(report.missing)
         for key in report.missing:
             self._drop(key)
         for key, size in report.added.items():
@@ -48,6 +51,8 @@ class _MirrorIndex:
             self.used += size
             while self.used > self.capacity and (victim := self.policy.victim(lambda k: True)) is not None:
                 self._drop(victim)
+                dropped.add(victim)
+        return {key for key in dropped if key not in self.sizes}
 
     def clear(self) -> None:
         self.used = 0
@@ -83,6 +88,7 @@ class _RequestState:
     loaded: tuple[int, int] = (0, 0)  # (start, end) blocks a load job restored (or tried to)
     load_failed: bool = False  # a load for it failed: no more loads, it recomputes
     sent_saves: bool = False  # a save job for it went to the workers
+    request: Any = None  # vLLM's Request, kept only while KV events are enabled (its block hashes)
 
 
 @dataclass
@@ -103,6 +109,7 @@ class _Scheduler:
         self.counters: Counter[str] = Counter()
         self._requests: dict[str, _RequestState] = {}
         self._mirror = _mirror_for(store_url, workers)
+        self._url = store_url
         self._store = None if self._mirror else shared_store(store_url)  # a memory store lives in the workers
         if self._store is not None:
             self._store.claim(namespace)
@@ -116,6 +123,16 @@ class _Scheduler:
         self._in_flight: Counter[bytes] = Counter()
         self._await_saves: list[str] = []
         self._workers = workers
+        self._events: KVEvents | None = None  # enable_events: only when vLLM publishes KV events
+
+    def enable_events(self, hash_block_size: int) -> None:
+        """Record BlockStored / BlockRemoved events for vLLM's publisher (`vllm_events`)."""
+        mirror = self._mirror
+        contains = (lambda keys: [k in mirror.sizes for k in keys]) if mirror is not None else self._store_presence
+        self._events = KVEvents(self.layout, medium_for(parse_url(self._url).scheme), hash_block_size, contains)
+
+    def take_events(self) -> list:
+        return self._events.take() if self._events is not None else []
 
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
         self._block_pool = gpu_block_pool
@@ -140,6 +157,8 @@ class _Scheduler:
             prompt = list(request.prompt_token_ids or [])
             state = _RequestState(self._salted_chain(request).keys(prompt), len(prompt))
             self._requests[request.request_id] = state
+        if self._events is not None:
+            state.request = request
         return state
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -156,6 +175,8 @@ class _Scheduler:
         if total <= have:
             return 0, False
         state.load_range = (have, total)
+        if self._events is not None:
+            self._events.held(request, state.block_keys, range(have, total))
         self.counters["hit_tokens"] += (total - have) * self.block_size
         return (total - have) * self.block_size, True  # asynchronous: see kvoffload.connectors.vllm
 
@@ -186,6 +207,8 @@ class _Scheduler:
             job = self._save_job(req_id, state, scheduled, scheduler_output, block_state,
                                  handoffs.get(req_id, []))
             if job.pages:
+                if self._events is not None and state.request is not None:
+                    self._events.saved(state.request, state.block_keys, [index for _, _, index, _ in job.pages])
                 self._pin(job)
                 state.sent_saves = True
                 meta.saves.append(job)
@@ -210,6 +233,8 @@ class _Scheduler:
             return False
         if self._mirror is not None:
             self._mirror.clear()
+        if self._events is not None:
+            self._events.cleared()
         # Live requests' saved pages are gone: save them again. `loaded` stays, so a boundary a load
         # wrote into (possibly failing later) is still never saved.
         for state in self._requests.values():
@@ -289,10 +314,13 @@ class _Scheduler:
         report = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(report, StoredPages):
             self._uncleared -= report.cleared.get(self._resets, 0)
-            if self._mirror is not None:
-                self._mirror.update(report)
+            dropped = self._mirror.update(report) if self._mirror is not None else report.missing
             for job_id, count in report.done_jobs.items():
                 self._unpin(job_id, count)
+            if self._events is not None:
+                self._events.removed(dropped)
+                if report.done_jobs:
+                    self._events.check()
         for req_id in getattr(connector_output, "failed_recving", None) or ():
             state = self._requests.get(req_id)
             if state is not None:

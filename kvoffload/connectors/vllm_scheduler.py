@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..spec import GroupKind, KeyChain, request_salt
 from ..spec.vllm import KindsLayout
-from ..store import parse_url, shared_store
+from ..store import MemorySpec, StoreSpec, parse_store_url, shared_store
 from ..store.url import redact_url
 from .plan import hit_blocks, page
 from .vllm_shared import KVOffloadMetadata, LoadJob, SaveJob, StoredPages
@@ -61,16 +61,12 @@ class _MirrorIndex:
         return found
 
 
-def _mirror_for(url: str, workers: int) -> _MirrorIndex | None:
+def _mirror_for(spec: StoreSpec, workers: int) -> _MirrorIndex | None:
     """LMDB (alone or behind memory) is read directly by the scheduler process; a memory tier lives in
     each worker process, so the scheduler mirrors them (together) from the workers' reports."""
-    from ..store import DEFAULT_MEMORY_CAPACITY, evict_option, parse_size
-
-    parsed = parse_url(url)
-    if parsed.scheme != "memory":
+    if not isinstance(spec, MemorySpec):
         return None
-    return _MirrorIndex(workers * parse_size(parsed.options.get("capacity", DEFAULT_MEMORY_CAPACITY)),
-                        evict_option(parsed.options, "memory"))
+    return _MirrorIndex(workers * spec.capacity, spec.evict)
 
 
 @dataclass
@@ -102,7 +98,7 @@ class _Scheduler:
         self.block_size = layout.block_size
         self.counters: Counter[str] = Counter()
         self._requests: dict[str, _RequestState] = {}
-        self._mirror = _mirror_for(store_url, workers)
+        self._mirror = _mirror_for(parse_store_url(store_url), workers)
         self._store = None if self._mirror else shared_store(store_url)  # a memory store lives in the workers
         if self._store is not None:
             self._store.claim(namespace)

@@ -32,6 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
 
+from ..paths import weight_digest_cache
+
 # Config fields that cannot change a KV byte: where the config was read from, and which library wrote it.
 UNBOUND_CONFIG_FIELDS = frozenset({"_name_or_path", "transformers_version", "_commit_hash"})
 WEIGHT_PATTERNS = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -88,8 +90,7 @@ def weight_files(path: str) -> list[str]:
 
 
 def default_cache_path() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "kvoffload", "weight-digests.json")
+    return weight_digest_cache()
 
 
 def _stderr(message: str) -> None:

@@ -146,7 +146,7 @@ class _Scheduler:
         try:  # every TP rank's pages (the layout knows tp_size and which groups ranks share)
             total = hit_blocks(self.layout, state.block_keys, state.num_prompt_tokens, self._presence, have)
         except Exception as exc:  # noqa: BLE001 - a broken store is a miss, never a failed engine
-            log.error("KVOffloadConnector lookup failed: %s", exc)
+            log.error("KVOffloadConnector lookup failed: %s", exc, exc_info=True)
             total = have
         self.counters["lookups"] += 1
         if total <= have:

@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
 
+from ..errors import ConfigError
 from ..paths import weight_digest_cache
 
 # Config fields that cannot change a KV byte: where the config was read from, and which library wrote it.
@@ -47,7 +48,7 @@ _PROGRESS_ABOVE = 1 << 30  # report progress when more than this many bytes must
 _PROGRESS_EVERY_S = 5.0
 
 
-class ModelIdentityError(ValueError):
+class ModelIdentityError(ConfigError):
     """The model's identity cannot be established (no weight files, unreadable config): say what to set."""
 
 

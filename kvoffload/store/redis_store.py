@@ -209,7 +209,7 @@ class RedisStore(Store):
         try:
             self.client.nodes_manager.initialize(last_failed_node_name=last)
         except Exception as exc:  # noqa: BLE001 - any failure leaves the old map in place
-            log.info("Redis store %s: slot map not refreshed (%s)", self.url, exc)
+            log.info("Redis store %s: slot map not refreshed (%s)", self.url, exc, exc_info=True)
 
     def _key(self, key: bytes) -> bytes:
         return self.prefix + key

@@ -260,8 +260,9 @@ def test_the_url_hint_names_every_scheme():
 
 
 def test_shared_store_fixes_the_fingerprint_at_open(tmp_path):
-    """Presence-only callers (fingerprint None: vLLM's scheduler) get the store open for the layout;
-    asking for another fingerprint than the store opened with is refused, never a changed store."""
+    """Presence-only callers (fingerprint None: vLLM's scheduler) get the store open now; a store is
+    never given another fingerprint once open: one opened for presence only is reopened with the first
+    fingerprint asked for (what it holds kept), one open for another layout is refused."""
     from kvoffload.store import shared_store
 
     url = f"lmdb://{tmp_path}/a?capacity=64MiB"
@@ -271,9 +272,13 @@ def test_shared_store_fixes_the_fingerprint_at_open(tmp_path):
     with pytest.raises(StoreConfigError, match="another layout fingerprint"):
         shared_store(url, fingerprint=b"layout-B")
     assert store.get(b"k") == b"v" * 64  # still layout A's
-    other = f"lmdb://{tmp_path}/b?capacity=64MiB"
-    shared_store(other)
-    with pytest.raises(StoreConfigError, match="presence lookups only"):
-        shared_store(other, fingerprint=b"layout-A")
     store.close()
-    shared_store(other).close()
+    other = f"lmdb://{tmp_path}/b?capacity=64MiB"
+    presence = shared_store(other)
+    assert presence.put(b"k", b"w" * 64) and presence.contains_many([b"k"]) == [True]
+    assert presence.get(b"k") == b"w" * 64  # no fingerprint on either side
+    with_layout = shared_store(other, fingerprint=b"layout-A")
+    assert with_layout is not presence and shared_store(other) is with_layout
+    assert with_layout.contains_many([b"k"]) == [True] and with_layout.get(b"k") is None  # another layout's
+    assert with_layout.stats()["fingerprint_mismatch"] == 1
+    with_layout.close()

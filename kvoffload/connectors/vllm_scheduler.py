@@ -99,10 +99,10 @@ class _Scheduler:
         self.counters: Counter[str] = Counter()
         self._requests: dict[str, _RequestState] = {}
         self._mirror = _mirror_for(parse_store_url(store_url), workers)
-        self._store = None if self._mirror else shared_store(store_url)  # a memory store lives in the workers
-        if self._store is not None:
+        self._store_url = store_url
+        if self._mirror is None:  # a memory store lives in the workers; others open here, at start-up
             self._store.claim(namespace)
-        self._store_presence = self._mirror.contains_many if self._mirror else self._store.contains_many
+        self._store_presence = self._mirror.contains_many if self._mirror else self._stored
         self._clear_workers = False
         self._resets = 0  # reset_cache generations
         self._uncleared = 0  # workers yet to report clearing for the latest one (no hits until then)
@@ -112,6 +112,15 @@ class _Scheduler:
         self._in_flight: Counter[bytes] = Counter()
         self._await_saves: list[str] = []
         self._workers = workers
+
+    @property
+    def _store(self):
+        """The process's store for presence lookups, asked for at each use: a worker in this process
+        may reopen it with its layout fingerprint (`shared_store`)."""
+        return None if self._mirror else shared_store(self._store_url)
+
+    def _stored(self, keys: list[bytes]) -> list[bool]:
+        return self._store.contains_many(keys)
 
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
         self._block_pool = gpu_block_pool
@@ -200,9 +209,10 @@ class _Scheduler:
             log.warning("KVOffloadConnector: reset_cache refused: %d save job(s) still in flight; retry once "
                         "the engine is idle", len(self._pinned))
             return False
-        if self._store is not None and not self._store.clear(self.namespace):
+        store = self._store
+        if store is not None and not store.clear(self.namespace):
             log.warning("KVOffloadConnector: reset_cache: the store %s was not cleared (see above)",
-                        redact_url(self._store.url))
+                        redact_url(store.url))
             return False
         if self._mirror is not None:
             self._mirror.clear()

@@ -83,21 +83,24 @@ def shared_store(url: str, *, fingerprint: bytes | str | None = None) -> Store:
     (vLLM's scheduler and a single worker): a memory tier is then truly shared, and an LMDB
     environment is opened once, as LMDB requires.
 
-    The fingerprint is fixed when the store opens. `fingerprint=None` asks for presence only (vLLM's
-    scheduler: it looks keys up and never reads an entry, and cannot know the workers' byte layout):
-    it gets the store already open, whatever its fingerprint. A fingerprint given must be the one
-    the store was opened with: a store opened for presence only (or for another layout) is refused
-    (in vLLM the workers register their caches, and open the store, before the scheduler starts)."""
+    A store's fingerprint is fixed when it opens. `fingerprint=None` asks for presence only (vLLM's
+    scheduler looks keys up, never reads an entry, and cannot know the workers' byte layout): it gets
+    the store open now, whatever its fingerprint, so it must ask again at each use rather than keep
+    the object. The first caller with a fingerprint replaces a store opened for presence only (closed,
+    then opened with the fingerprint: what it holds stays on disk or in Redis); a store open with
+    another fingerprint is refused."""
     from .entry import normalize_fingerprint
 
     wanted = None if fingerprint is None else normalize_fingerprint(fingerprint)
     with _shared_lock:
-        if url not in _shared:
-            _shared[url] = (open_store(url, fingerprint=fingerprint), wanted)
-        store, opened_with = _shared[url]
-        if wanted is not None and opened_with != wanted:
-            raise StoreConfigError(
-                f"store {redact_url(url)!r} is already open in this process "
-                f"{'for presence lookups only' if opened_with is None else 'for another layout fingerprint'}: "
-                "a store's fingerprint is fixed when it opens; open it with this layout's fingerprint first")
+        store, opened_with = _shared.get(url, (None, None))
+        if store is not None and wanted is not None and opened_with != wanted:
+            if opened_with is not None:
+                raise StoreConfigError(f"store {redact_url(url)!r} is already open in this process for another "
+                                       "layout fingerprint: one process serves one layout per store")
+            store.close()
+            store = None
+        if store is None:
+            store = open_store(url, fingerprint=fingerprint)
+            _shared[url] = (store, wanted)
         return store

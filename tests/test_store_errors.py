@@ -247,7 +247,8 @@ def test_a_bad_redis_timeout_is_a_store_config_error_naming_the_option(value):
     from kvoffload.errors import ConfigError
     from kvoffload.store import parse_store_url
 
-    for url in (f"redis://h:1/0?timeout={value}", f"tiered://?lmdb=/d&redis=redis%3A%2F%2Fh%3A1%2F0%3Ftimeout%3D{value}"):
+    nested = f"tiered://?lmdb=/d&redis=redis%3A%2F%2Fh%3A1%2F0%3Ftimeout%3D{value}"
+    for url in (f"redis://h:1/0?timeout={value}", nested):
         with pytest.raises(StoreConfigError, match=r"timeout=.*positive number") as raised:
             parse_store_url(url)
         assert isinstance(raised.value, ConfigError)

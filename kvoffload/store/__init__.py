@@ -20,10 +20,9 @@ from .base import Store
 from .errors import EntryTooLargeError, IncompatibleStoreError, StoreConfigError
 from .lmdb_store import LMDBStore
 from .memory import MemoryStore
-from .spec import (DEFAULT_LMDB_CAPACITY, DEFAULT_MEMORY_CAPACITY, REDIS_SCHEMES, LMDBSpec, MemorySpec, RedisSpec,
-                   StoreSpec, TieredSpec, parse_store_url)
+from .spec import LMDBSpec, MemorySpec, RedisSpec, StoreSpec, TieredSpec, parse_store_url
 from .tiered import TieredStore
-from .url import parse_size, parse_url, redact_url
+from .url import parse_size, redact_url
 
 from .inspect import inspect_store
 

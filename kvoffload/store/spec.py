@@ -50,7 +50,8 @@ class MemorySpec:
     evict: str = "lru"
 
     def url(self, redact: bool = True) -> str:
-        return f"memory://?{_query(dict(capacity=self.capacity, pinned=self.pinned, reserve=self.reserve, evict=self.evict))}"
+        options = dict(capacity=self.capacity, pinned=self.pinned, reserve=self.reserve, evict=self.evict)
+        return f"memory://?{_query(options)}"
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,9 @@ class TieredSpec:
     def behind_options(self) -> dict:
         """The write-behind keywords TieredStore takes, only those given."""
         given = dict(behind_bytes=self.behind_bytes, behind_age=self.behind_age)
-        return {**{k: v for k, v in given.items() if v is not None}, **({"admit": self.admit} if self.admit != 1 else {})}
+        if self.admit != 1:
+            given["admit"] = self.admit
+        return {k: v for k, v in given.items() if v is not None}
 
 
 StoreSpec = Union[MemorySpec, LMDBSpec, RedisSpec, TieredSpec]
@@ -219,7 +222,8 @@ def _tiered(parsed: StoreURL, url: str) -> TieredSpec:
     admit = 1
     if "admit" in opts:
         if not opts["admit"].isdigit() or not 1 <= int(opts["admit"]) <= 1000:
-            raise StoreConfigError(f"tiered:// admit= takes a number of uses from 1 to 1000, got {opts['admit'][:40]!r}")
+            raise StoreConfigError("tiered:// admit= takes a number of uses from 1 to 1000, got "
+                                   f"{opts['admit'][:40]!r}")
         if write == "through" and int(opts["admit"]) > 1:
             raise StoreConfigError(f"tiered:// admit= above 1 needs write=behind: {redact_url(url)!r}")
         admit = int(opts["admit"])

@@ -14,6 +14,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from kvoffload.errors import ConfigError
+
 KDA = "linear_attention"
 MLA = "indexed_attention"
 _LAYER_TYPES = (KDA, MLA)
@@ -25,7 +27,7 @@ _KINDS = {"int": (int, "an integer"), "float": (float, "a number"), "bool": (boo
           "str": (str, "a string")}
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(ConfigError):
     """A config.json or checkpoint file the runner cannot use: the user's to fix, not a bug."""
 
 

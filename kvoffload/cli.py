@@ -7,14 +7,12 @@ import argparse
 import json
 import sys
 
-from glm_integration.config import ModelConfigError
+from .errors import KVOffloadError
 
-from .store import StoreConfigError
-
-# What a user must change, reported in one line with exit status 2; anything else is a bug: a traceback.
-# The OS errors are about files named on the command line (--prompts, --model, --out).
-INPUT_ERRORS = (StoreConfigError, ModelConfigError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
-                PermissionError)
+# What a user must change (a KVOffloadError: configuration, store, layout), reported in one line with exit
+# status 2; anything else is a bug: a traceback. The OS errors are about files named on the command line
+# (--prompts, --model, --out).
+INPUT_ERRORS = (KVOffloadError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
 
 BENCHMARKS = {"store": "store", "footprint": "footprint", "ttft": "ttft", "transfer": "transfer",
               "vllm-ttft": "vllm_ttft", "overhead": "overhead", "redis": "redis_tier", "faults": "faults",
@@ -60,15 +58,12 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .verify import InputError, verify
+    from .verify import verify
 
-    try:
-        report = verify(args.store, model_dir=args.model, preset=args.preset, prompts_file=args.prompts,
-                        restart=args.restart, separate=args.separate, block_size=args.block_size,
-                        max_tokens=args.max_tokens,
-                        progress=None if args.quiet else _progress, device=args.device, kernels=args.kernels)
-    except InputError as exc:
-        return _refuse(exc)
+    report = verify(args.store, model_dir=args.model, preset=args.preset, prompts_file=args.prompts,
+                    restart=args.restart, separate=args.separate, block_size=args.block_size,
+                    max_tokens=args.max_tokens,
+                    progress=None if args.quiet else _progress, device=args.device, kernels=args.kernels)
     return _print_report(report, args.json)
 
 

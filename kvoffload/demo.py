@@ -4,15 +4,14 @@ and a short report: hits, equality, bytes stored per token by group, prefill col
 
 from __future__ import annotations
 
-import os
 import sys
 
+from .paths import demo_store_url
 from .verify import verify
 
 
 def default_store_url() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return f"lmdb://{os.path.join(base, 'kvoffload', 'demo-store')}?capacity=1GiB"
+    return demo_store_url()
 
 
 def _rate(nbytes: int, microseconds: int) -> str:

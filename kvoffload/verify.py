@@ -23,10 +23,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .errors import ConfigError
+from .paths import preset_model_dir
 from .connectors.plan import max_hit_blocks, pages_for_load
 from .connectors.runner import RunnerConnector
 from .spec import GroupKind
-from .store import StoreConfigError, open_store, parse_url
+from .store import MemorySpec, StoreConfigError, open_store, parse_store_url
 from .store.url import redact_url
 
 
@@ -51,7 +53,7 @@ def builtin_cases(config, block_size: int) -> list[tuple[str, list[list[int]]]]:
     ]
 
 
-class InputError(ValueError):
+class InputError(ConfigError):
     """A prompt file or verify option this model cannot run: the user's to fix (a failed check is not)."""
 
 
@@ -83,8 +85,7 @@ def default_model_dir(preset: str) -> str:
     from glm_integration.checkpoint import write_checkpoint
     from glm_integration.config import preset as make_preset
 
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    path = os.path.join(base, "kvoffload", "models", f"{preset}-seed0")
+    path = preset_model_dir(preset)
     if not os.path.exists(os.path.join(path, "config.json")):
         tmp = f"{path}.tmp{os.getpid()}"
         write_checkpoint(make_preset(preset), 0, tmp)
@@ -271,7 +272,7 @@ def verify(store_url: str, *, model_dir: str | None = None, preset: str = "tiny"
     tier such as redis:// serving another instance)."""
     progress = progress or (lambda message: None)
     device = _check_device(device)
-    if (restart or separate) and parse_url(store_url).scheme == "memory":
+    if (restart or separate) and isinstance(parse_store_url(store_url), MemorySpec):
         raise StoreConfigError("memory:// lives in one process: use lmdb://, redis:// or tiered:// with "
                                "--restart or --separate")
     if block_size < 1 or max_tokens < 1:
@@ -325,9 +326,9 @@ def verify(store_url: str, *, model_dir: str | None = None, preset: str = "tiny"
 
 def _check_device(device: str) -> str:
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise StoreConfigError(f"--device {device}: this torch build sees no GPU (torch {torch.__version__})")
+        raise InputError(f"--device {device}: this torch build sees no GPU (torch {torch.__version__})")
     if not (device == "cpu" or device.startswith("cuda")):
-        raise StoreConfigError(f"--device must be cpu or cuda[:N] (ROCm GPUs are cuda too), got {device!r}")
+        raise InputError(f"--device must be cpu or cuda[:N] (ROCm GPUs are cuda too), got {device!r}")
     return device
 
 

@@ -46,3 +46,28 @@ def test_bad_url_is_a_clear_error_not_a_traceback():
     out = _run("inspect", "lmdb://relative")
     assert out.returncode == 2
     assert "must be absolute" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_exit_2_for_a_kvoffload_error_and_a_traceback_for_a_bug(monkeypatch, capsys):
+    """Only kvoffload's own errors (and OS errors about named files) are one line with exit status 2:
+    any other exception, a ValueError included, is a bug and propagates (a traceback, exit 1)."""
+    import pytest
+
+    import kvoffload.store
+    from kvoffload import cli
+    from kvoffload.errors import KVOffloadError, LayoutError
+
+    for error in (KVOffloadError("the store says no"), LayoutError("the store says no")):
+        def refuse(url, error=error):
+            raise error
+
+        monkeypatch.setattr(kvoffload.store, "inspect_store", refuse)
+        assert cli.main(["inspect", "memory://"]) == 2
+        assert capsys.readouterr().err == "kvoffload: the store says no\n"
+    for bug in (RuntimeError("an internal bug"), ValueError("an internal bug")):
+        def broken(url, bug=bug):
+            raise bug
+
+        monkeypatch.setattr(kvoffload.store, "inspect_store", broken)
+        with pytest.raises(type(bug), match="an internal bug"):
+            cli.main(["inspect", "memory://"])

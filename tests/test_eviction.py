@@ -176,10 +176,11 @@ def test_the_vllm_scheduler_mirror_evicts_as_the_worker_memory_tier_does(evict):
     """vLLM's scheduler predicts a worker's memory:// tier from its reports: with the same policy."""
     pytest.importorskip("vllm")
     from kvoffload.connectors.vllm_scheduler import _mirror_for
+    from kvoffload.store import parse_store_url
     from kvoffload.connectors.vllm_shared import StoredPages
 
     url = f"memory://?capacity=64KiB&pinned=false&evict={evict}"
-    store, mirror = open_store(url), _mirror_for(url, 1)
+    store, mirror = open_store(url), _mirror_for(parse_store_url(url), 1)
     rng = np.random.default_rng(11)
     hot = [b"hot%d" % i for i in range(6)]
     for step in range(400):
@@ -193,4 +194,4 @@ def test_the_vllm_scheduler_mirror_evicts_as_the_worker_memory_tier_does(evict):
         assert set(mirror.sizes) == set(store._index), step
     assert all(k in mirror.sizes for k in hot) is (evict == "s3fifo")
     with pytest.raises(StoreConfigError, match="lru or s3fifo"):
-        _mirror_for("memory://?evict=arc", 1)
+        _mirror_for(parse_store_url("memory://?evict=arc"), 1)

@@ -206,3 +206,80 @@ def test_redact_url_never_leaks_a_password_character():
                 shown = redact_url(url)
                 assert not re.search(r"Q[a-z]+Z", shown), (url, shown)
                 assert url.startswith("tiered") == ("memory=1GiB" in shown), (url, shown)
+
+
+@pytest.mark.parametrize("url", [
+    "memory://?capacity=1GiB&pinned=false&reserve=true&evict=s3fifo",
+    "lmdb:///var/cache/kv%20store?capacity=64MiB",
+    "redis://user:p%40ss%3Aword@cache.example:6380/3?namespace=team&timeout=0.5&capacity=1GiB",
+    "rediss+cluster://:secret@a:7000,b:7001/?ssl_cert_reqs=none&ssl_ca_certs=/etc/ca.pem",
+    "tiered://?memory=64MiB&lmdb=/var/db&lmdb_capacity=1GiB&write=behind&behind_bytes=8MiB&behind_age=5&admit=2"
+    "&redis=redis%3A%2F%2Fu%3Asecret%40h%3A1%2F0%3Fnamespace%3Dn&evict=s3fifo",
+    "tiered://?lmdb=/var/db&write=through",
+])
+def test_every_scheme_spec_round_trips_and_redacts(url):
+    """URL -> spec -> URL: the canonical URL parses back to an equal spec; the redacted one (and the
+    spec's repr) never shows a password."""
+    from kvoffload.store import parse_store_url
+
+    spec = parse_store_url(url)
+    assert parse_store_url(spec.url(redact=False)) == spec
+    assert "secret" not in spec.url() and "p%40ss" not in spec.url() and "secret" not in repr(spec)
+    assert "secret" in spec.url(redact=False) or "secret" not in url
+    assert parse_store_url(spec.url()).__class__ is spec.__class__
+
+
+def test_spec_values_are_typed_and_defaulted():
+    from kvoffload.store import LMDBSpec, MemorySpec, RedisSpec, TieredSpec, parse_store_url
+
+    assert parse_store_url("memory://") == MemorySpec(4 << 30)
+    assert parse_store_url("lmdb:///d?capacity=1MiB") == LMDBSpec("/d", 1 << 20)
+    redis = parse_store_url("redis://u:pw@h:7/2?timeout=0.25")
+    assert (redis.hosts, redis.db, redis.username, redis.password, redis.timeout) == ((("h", 7),), 2, "u", "pw", 0.25)
+    assert isinstance(redis, RedisSpec) and redis.namespace == "default" and redis.capacity is None
+    tiered = parse_store_url("tiered://?lmdb=/d&memory=1MiB")
+    assert tiered == TieredSpec(MemorySpec(1 << 20), LMDBSpec("/d", 16 << 30))
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "0", "nan", ""])
+def test_a_bad_redis_timeout_is_a_store_config_error_naming_the_option(value):
+    """Refused when the URL is parsed, before any connection (no server needed)."""
+    from kvoffload.errors import ConfigError
+    from kvoffload.store import parse_store_url
+
+    nested = f"tiered://?lmdb=/d&redis=redis%3A%2F%2Fh%3A1%2F0%3Ftimeout%3D{value}"
+    for url in (f"redis://h:1/0?timeout={value}", nested):
+        with pytest.raises(StoreConfigError, match=r"timeout=.*positive number") as raised:
+            parse_store_url(url)
+        assert isinstance(raised.value, ConfigError)
+
+
+def test_the_url_hint_names_every_scheme():
+    with pytest.raises(StoreConfigError) as raised:
+        open_store("nothing")
+    assert all(s in str(raised.value) for s in ("memory://", "lmdb://", "redis://", "tiered://"))
+
+
+def test_shared_store_fixes_the_fingerprint_at_open(tmp_path):
+    """Presence-only callers (fingerprint None: vLLM's scheduler) get the store open now; a store is
+    never given another fingerprint once open: one opened for presence only is reopened with the first
+    fingerprint asked for (what it holds kept), one open for another layout is refused."""
+    from kvoffload.store import shared_store
+
+    url = f"lmdb://{tmp_path}/a?capacity=64MiB"
+    store = shared_store(url, fingerprint=b"layout-A")
+    assert store.put(b"k", b"v" * 64)
+    assert shared_store(url) is store and shared_store(url, fingerprint=b"layout-A") is store
+    with pytest.raises(StoreConfigError, match="another layout fingerprint"):
+        shared_store(url, fingerprint=b"layout-B")
+    assert store.get(b"k") == b"v" * 64  # still layout A's
+    store.close()
+    other = f"lmdb://{tmp_path}/b?capacity=64MiB"
+    presence = shared_store(other)
+    assert presence.put(b"k", b"w" * 64) and presence.contains_many([b"k"]) == [True]
+    assert presence.get(b"k") == b"w" * 64  # no fingerprint on either side
+    with_layout = shared_store(other, fingerprint=b"layout-A")
+    assert with_layout is not presence and shared_store(other) is with_layout
+    assert with_layout.contains_many([b"k"]) == [True] and with_layout.get(b"k") is None  # another layout's
+    assert with_layout.stats()["fingerprint_mismatch"] == 1
+    with_layout.close()

@@ -491,17 +491,20 @@ def _connector(tmp_path, role_name="SCHEDULER", prefix_caching=True, **extra):
 
 
 def test_startup_errors_are_clear(tmp_path):
-    with pytest.raises(ValueError, match="needs prefix caching"):
+    """Configuration errors (kvoffload.errors.ConfigError: still ValueErrors, as vLLM expects)."""
+    from kvoffload.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="needs prefix caching"):
         _connector(tmp_path, prefix_caching=False)
-    with pytest.raises(ValueError, match="unknown kv_connector_extra_config key"):
+    with pytest.raises(ConfigError, match="unknown kv_connector_extra_config key"):
         _connector(tmp_path, colour="blue")
-    with pytest.raises(ValueError, match="load_failure_policy must be"):
+    with pytest.raises(ConfigError, match="load_failure_policy must be"):
         _connector(tmp_path, load_failure_policy="sometimes")
-    with pytest.raises(ValueError, match="must be absolute"):
+    with pytest.raises(ConfigError, match="must be absolute"):
         _connector(tmp_path, store="lmdb://relative/dir")
-    with pytest.raises(ValueError, match="admit= above 1 is not supported under vLLM"):
+    with pytest.raises(ConfigError, match="admit= above 1 is not supported under vLLM"):
         _connector(tmp_path, store=f"tiered://?memory=64MiB&lmdb={tmp_path}/db&lmdb_capacity=64MiB&admit=2")
-    with pytest.raises(ValueError, match="weights .* set kv_connector_extra_config model_revision"):
+    with pytest.raises(ConfigError, match="weights .* set kv_connector_extra_config model_revision"):
         _connector(tmp_path, model_revision=None)  # the stub model is neither a directory nor in the hub cache
 
 

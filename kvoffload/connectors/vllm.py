@@ -44,7 +44,6 @@ key all ranks read (`spec.keys.shard_key`); the scheduler's hit needs every rank
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -58,7 +57,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ..spec import GroupKind, KeyChain
 from ..spec.vllm import UnsupportedLayoutError, key_context, scheduler_view
-from ..store import parse_url
+from ..errors import ConfigError
+from ..store import MemorySpec
+from .vllm_config import EXTRA_CONFIG_KEYS, ConnectorConfig
 from .vllm_identity import vllm_model_identity
 from .vllm_metrics import KVOffloadPromMetrics, KVOffloadStats
 from .vllm_scheduler import _Scheduler
@@ -71,54 +72,27 @@ if TYPE_CHECKING:
 
 __all__ = ["KVOffloadConnector", "KVOffloadMetadata", "LoadJob", "SaveJob", "StoredPages", "EXTRA_CONFIG_KEYS"]
 
-EXTRA_CONFIG_KEYS = {
-    "store": "store URL (memory://, lmdb:///abs/dir, tiered://...); default lmdb under ~/.cache/kvoffload",
-    "namespace": "key namespace: deployments that must not share cached prefixes use different ones",
-    "model_id": "identity of the weights in the layout fingerprint (default: the served model name)",
-    "model_revision": "a revision naming the weights (a commit, a checksum): keys use it instead of hashing "
-                      "the weight files",
-    "load_failure_policy": "'recompute' (default: a failed load is a cache miss) or 'fail' (vLLM's own default)",
-}
-
-
-def _default_store() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return f"lmdb://{os.path.join(base, 'kvoffload', 'vllm-store')}?capacity=16GiB"
-
-
 class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        unknown = sorted(set(extra) - set(EXTRA_CONFIG_KEYS))
-        if unknown:
-            raise ValueError(f"KVOffloadConnector: unknown kv_connector_extra_config key(s) {unknown}; "
-                             f"known: {sorted(EXTRA_CONFIG_KEYS)}")
+        config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         if not vllm_config.cache_config.enable_prefix_caching:
-            raise ValueError("KVOffloadConnector needs prefix caching: start vLLM with --enable-prefix-caching")
-        policy = extra.get("load_failure_policy", "recompute")
-        if policy not in ("recompute", "fail"):
-            raise ValueError(f"KVOffloadConnector: load_failure_policy must be 'recompute' or 'fail', got {policy!r}")
+            raise ConfigError("KVOffloadConnector needs prefix caching: start vLLM with --enable-prefix-caching")
         # A cache miss must not fail a request: vLLM reads this policy right after creating the connector.
-        self._kv_transfer_config.kv_load_failure_policy = policy
-        self.store_url = extra.get("store") or _default_store()
-        parsed = parse_url(self.store_url)  # a bad URL fails at start-up, in both roles
-        if parsed.scheme == "tiered" and parsed.options.get("admit", "1") != "1":
-            raise ValueError("KVOffloadConnector: tiered:// admit= above 1 is not supported under vLLM yet: its "
-                             "scheduler sees the disk tier only, so a page waiting in memory for admission would "
-                             "never be hit, hence never admitted; leave admit at 1")
+        self._kv_transfer_config.kv_load_failure_policy = config.load_failure_policy
+        self.store_url = config.store
         parallel = vllm_config.parallel_config
         self.tp_rank, self.tp_size = getattr(parallel, "rank", 0) % max(parallel.tensor_parallel_size, 1), \
             parallel.tensor_parallel_size
-        model_id = extra.get("model_id") or str(vllm_config.model_config.model)
+        model_id = config.model_id or str(vllm_config.model_config.model)
         # The whole model config and the weights' content (or model_revision): any change, no old keys.
-        self.model_identity = vllm_model_identity(vllm_config, extra.get("model_revision"))
+        self.model_identity = vllm_model_identity(vllm_config, config.model_revision)
         # The scheduler's view (group kinds, physical block size, hit alignment, page contents, groups TP
         # ranks share); raises UnsupportedLayoutError for unknown specs. Workers check their full byte
         # layout against it in register_kv_caches. Keys follow the physical block, not vLLM's (possibly
         # finer) hash unit. Groups TP ranks hold identically (MLA latent, indexer) are stored once per TP
         # group, unless each rank's store is private to its process (memory://).
-        share = parsed.scheme != "memory"
+        share = not isinstance(config.spec, MemorySpec)
         dcp_size = int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
         self.view = scheduler_view(kv_cache_config, tp_size=self.tp_size, dcp_size=dcp_size, share_replicas=share)
         self.block_size = self.view.block_size
@@ -130,7 +104,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         context = key_context(self.view, kv_cache_config, model_id=f"{model_id}#{self.model_identity}",
                               model_dtype=str(vllm_config.model_config.dtype),
                               cache_dtype=str(vllm_config.cache_config.cache_dtype))
-        self.namespace = str(extra.get("namespace", "vllm"))
+        self.namespace = config.namespace
         self.chain = KeyChain(context, self.block_size, namespace=self.namespace)
         self.connector_scheduler: _Scheduler | None = None
         self.connector_worker: _Worker | None = None

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..spec import GroupKind, KeyChain, request_salt
 from ..spec.vllm import KindsLayout
-from ..store import parse_url, shared_store
+from ..store import MemorySpec, StoreSpec, parse_store_url, shared_store
 from ..store.url import redact_url
 from .plan import hit_blocks, page
 from .vllm_events import KVEvents, medium_for
@@ -66,16 +66,12 @@ class _MirrorIndex:
         return found
 
 
-def _mirror_for(url: str, workers: int) -> _MirrorIndex | None:
+def _mirror_for(spec: StoreSpec, workers: int) -> _MirrorIndex | None:
     """LMDB (alone or behind memory) is read directly by the scheduler process; a memory tier lives in
     each worker process, so the scheduler mirrors them (together) from the workers' reports."""
-    from ..store import DEFAULT_MEMORY_CAPACITY, evict_option, parse_size
-
-    parsed = parse_url(url)
-    if parsed.scheme != "memory":
+    if not isinstance(spec, MemorySpec):
         return None
-    return _MirrorIndex(workers * parse_size(parsed.options.get("capacity", DEFAULT_MEMORY_CAPACITY)),
-                        evict_option(parsed.options, "memory"))
+    return _MirrorIndex(workers * spec.capacity, spec.evict)
 
 
 @dataclass
@@ -108,12 +104,11 @@ class _Scheduler:
         self.block_size = layout.block_size
         self.counters: Counter[str] = Counter()
         self._requests: dict[str, _RequestState] = {}
-        self._mirror = _mirror_for(store_url, workers)
-        self._url = store_url
-        self._store = None if self._mirror else shared_store(store_url)  # a memory store lives in the workers
-        if self._store is not None:
+        self._mirror = _mirror_for(parse_store_url(store_url), workers)
+        self._store_url = store_url
+        if self._mirror is None:  # a memory store lives in the workers; others open here, at start-up
             self._store.claim(namespace)
-        self._store_presence = self._mirror.contains_many if self._mirror else self._store.contains_many
+        self._store_presence = self._mirror.contains_many if self._mirror else self._stored
         self._clear_workers = False
         self._resets = 0  # reset_cache generations
         self._uncleared = 0  # workers yet to report clearing for the latest one (no hits until then)
@@ -129,10 +124,20 @@ class _Scheduler:
         """Record BlockStored / BlockRemoved events for vLLM's publisher (`vllm_events`)."""
         mirror = self._mirror
         contains = (lambda keys: [k in mirror.sizes for k in keys]) if mirror is not None else self._store_presence
-        self._events = KVEvents(self.layout, medium_for(parse_url(self._url).scheme), hash_block_size, contains)
+        medium = medium_for(parse_store_url(self._store_url).scheme)
+        self._events = KVEvents(self.layout, medium, hash_block_size, contains)
 
     def take_events(self) -> list:
         return self._events.take() if self._events is not None else []
+
+    @property
+    def _store(self):
+        """The process's store for presence lookups, asked for at each use: a worker in this process
+        may reopen it with its layout fingerprint (`shared_store`)."""
+        return None if self._mirror else shared_store(self._store_url)
+
+    def _stored(self, keys: list[bytes]) -> list[bool]:
+        return self._store.contains_many(keys)
 
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
         self._block_pool = gpu_block_pool
@@ -169,7 +174,7 @@ class _Scheduler:
         try:  # every TP rank's pages (the layout knows tp_size and which groups ranks share)
             total = hit_blocks(self.layout, state.block_keys, state.num_prompt_tokens, self._presence, have)
         except Exception as exc:  # noqa: BLE001 - a broken store is a miss, never a failed engine
-            log.error("KVOffloadConnector lookup failed: %s", exc)
+            log.error("KVOffloadConnector lookup failed: %s", exc, exc_info=True)
             total = have
         self.counters["lookups"] += 1
         if total <= have:
@@ -227,9 +232,10 @@ class _Scheduler:
             log.warning("KVOffloadConnector: reset_cache refused: %d save job(s) still in flight; retry once "
                         "the engine is idle", len(self._pinned))
             return False
-        if self._store is not None and not self._store.clear(self.namespace):
+        store = self._store
+        if store is not None and not store.clear(self.namespace):
             log.warning("KVOffloadConnector: reset_cache: the store %s was not cleared (see above)",
-                        redact_url(self._store.url))
+                        redact_url(store.url))
             return False
         if self._mirror is not None:
             self._mirror.clear()

@@ -31,6 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
 
+from ..errors import ConfigError
+from ..paths import weight_digest_cache
 from ..flock import flock_within
 
 # Config fields that cannot change a KV byte: where the config was read from, and which library wrote it.
@@ -46,7 +48,7 @@ _PROGRESS_ABOVE = 1 << 30  # report progress when more than this many bytes must
 _PROGRESS_EVERY_S = 5.0
 
 
-class ModelIdentityError(ValueError):
+class ModelIdentityError(ConfigError):
     """The model's identity cannot be established (no weight files, unreadable config): say what to set."""
 
 
@@ -89,8 +91,7 @@ def weight_files(path: str) -> list[str]:
 
 
 def default_cache_path() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "kvoffload", "weight-digests.json")
+    return weight_digest_cache()
 
 
 def _stderr(message: str) -> None:

@@ -32,6 +32,7 @@ import enum
 import math
 from dataclasses import dataclass
 
+from ..errors import LayoutError
 from .keys import _framed
 from .layout import CacheGroup, CacheLayout, GroupKind, Region, lcm
 
@@ -46,7 +47,7 @@ _CONTENT_FIELDS = ("shapes", "dtypes", "dtype", "num_kv_heads", "num_head_slots"
                    "mamba_type")
 
 
-class UnsupportedLayoutError(ValueError):
+class UnsupportedLayoutError(LayoutError):
     """A KV cache configuration kvoffload cannot offload correctly (said at start-up, never guessed)."""
 
 

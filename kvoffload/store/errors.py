@@ -1,12 +1,14 @@
-"""Errors a store raises. Every one is a `ValueError` or `OSError` subclass with a message that
-says what to change; read/write faults at run time are counted misses, never exceptions."""
+"""Errors a store raises, under `kvoffload.errors`. Every one has a message that says what to change;
+read/write faults at run time are counted misses, never exceptions."""
+
+from ..errors import ConfigError, StoreError
 
 
-class StoreConfigError(ValueError):
+class StoreConfigError(ConfigError):
     """A store URL, option or directory that cannot work (bad scheme, size, path, permissions)."""
 
 
-class EntryTooLargeError(ValueError):
+class EntryTooLargeError(StoreError, ValueError):
     """A value larger than the tier's whole capacity: it could never be stored."""
 
 

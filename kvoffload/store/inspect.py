@@ -5,32 +5,27 @@ from __future__ import annotations
 
 from .errors import StoreConfigError
 from .lmdb_store import read_stats
-from .url import parse_url, redact_url
-
-REDIS_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
+from .spec import LMDBSpec, MemorySpec, RedisSpec, TieredSpec, parse_store_url
+from .url import redact_url
 
 
 def inspect_store(url: str) -> dict:
-    parsed = parse_url(url)
-    if parsed.scheme == "lmdb":
-        parsed.take({"capacity"})
-        return read_stats(parsed.path)
-    if parsed.scheme in REDIS_SCHEMES:
-        return _redis_stats(url)
-    if parsed.scheme == "tiered":
-        opts = parsed.take({"memory", "lmdb", "lmdb_capacity", "pinned", "reserve", "redis", "write", "behind_bytes",
-                             "behind_age"})
-        tiers = {"lmdb": read_stats(opts["lmdb"])} if "lmdb" in opts else {}
-        if "redis" in opts:
-            tiers["redis"] = _redis_stats(opts["redis"])
+    spec = parse_store_url(url)
+    if isinstance(spec, LMDBSpec):
+        return read_stats(spec.path)
+    if isinstance(spec, RedisSpec):
+        return _redis_stats(spec, url)
+    if isinstance(spec, TieredSpec):
+        tiers = {"lmdb": read_stats(spec.lmdb.path)} if spec.lmdb else {}
+        if spec.redis:
+            tiers["redis"] = _redis_stats(spec.redis, None)
         return {"url": redact_url(url), **tiers}
-    if parsed.scheme == "memory":
-        raise StoreConfigError("a memory:// store lives inside one process: there is nothing to inspect")
-    raise StoreConfigError(f"unknown store scheme {parsed.scheme!r} in {redact_url(url)!r}")
+    assert isinstance(spec, MemorySpec)
+    raise StoreConfigError("a memory:// store lives inside one process: there is nothing to inspect")
 
 
-def _redis_stats(url: str) -> dict:
-    from . import open_store
+def _redis_stats(spec: RedisSpec, url: str | None) -> dict:
+    from . import open_spec
 
-    with open_store(url) as store:
+    with open_spec(spec, url=url) as store:
         return store.stats()

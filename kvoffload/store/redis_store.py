@@ -24,20 +24,18 @@ it is skipped (standalone server or cluster node) for NODE_RETRY_SECONDS, its ke
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
-from urllib.parse import unquote, urlsplit
 
 from . import entry
 from .base import Store
 from .buffers import Buffer
 from .errors import StoreConfigError
-from .url import parse_size, parse_url, redact_url
+from .spec import RedisSpec, parse_store_url
+from .url import parse_size, redact_url
 
 log = logging.getLogger(__name__)
 
-OPTIONS = {"capacity", "namespace", "timeout", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs"}
 DEFAULT_CAPACITY = "1TiB"  # what the store reports when the server sets no maxmemory
 PIPELINE_BYTES = 64 << 20  # one pipelined write batch
 NODE_RETRY_SECONDS = 5.0  # a server or cluster node that failed is skipped this long
@@ -51,22 +49,17 @@ def _redis():
     return redis
 
 
-def _timeout(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise StoreConfigError(f"redis timeout={text!r}: give the seconds a call may wait, a positive number such as 2")
-    return value
-
-
 class RedisStore(Store):
     entry_overhead = entry.HEADER_BYTES
 
-    def __init__(self, url: str, fingerprint: bytes | str | None = None):
+    def __init__(self, spec: RedisSpec | str, fingerprint: bytes | str | None = None, url: str | None = None):
         super().__init__()
-        self.url = redact_url(url)  # what logs and stats show: never the password
+        if isinstance(spec, str):
+            spec, url = parse_store_url(spec), spec
+            if not isinstance(spec, RedisSpec):
+                raise StoreConfigError(f"RedisStore takes a redis:// URL, got {spec.url()!r}")
+        self.spec = spec
+        self.url = redact_url(url) if url else spec.url()  # what logs and stats show: never the password
         self.fingerprint = entry.normalize_fingerprint(fingerprint)
         self._count(checksum_failures=0, read_errors=0, write_errors=0)
         self._down_until: dict[str, float] = {}
@@ -74,44 +67,27 @@ class RedisStore(Store):
         redis = _redis()
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
                         redis.exceptions.ResponseError, redis.exceptions.ClusterError, OSError)
-        parts = urlsplit(url)
-        scheme = parts.scheme.lower()
-        options = parse_url(url).take(OPTIONS)
-        self.cluster = scheme.endswith("+cluster")
-        self.namespace = options.pop("namespace", "default")
-        kwargs = self._client_options(parts, scheme, options)  # parts of the full URL: credentials included
-        self.client = self._connect(redis, parts, kwargs)
+        self.cluster = spec.cluster
+        self.namespace = spec.namespace
+        self.client = self._connect(redis, self._client_options(spec))
         self.prefix = f"kvoffload:{self.namespace}:".encode()
-        self.capacity = self._capacity(options.get("capacity"))
+        self.capacity = self._capacity(spec.capacity)
 
     # -- start-up ------------------------------------------------------------------------------------
     @staticmethod
-    def _client_options(parts, scheme: str, options: dict[str, str]) -> dict:
-        timeout = _timeout(options.pop("timeout", "2"))
-        kwargs = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
-        if parts.username:
-            kwargs["username"] = unquote(parts.username)
-        if parts.password:
-            kwargs["password"] = unquote(parts.password)
-        tls = {k: v for k, v in options.items() if k.startswith("ssl_")}
-        if scheme.startswith("rediss"):
+    def _client_options(spec: RedisSpec) -> dict:
+        kwargs = {"socket_timeout": spec.timeout, "socket_connect_timeout": spec.timeout}
+        if spec.username:
+            kwargs["username"] = spec.username
+        if spec.password:
+            kwargs["password"] = spec.password
+        if spec.scheme.startswith("rediss"):
             kwargs["ssl"] = True
-            kwargs.update(tls)
-            if "ssl_cert_reqs" in tls and tls["ssl_cert_reqs"] not in ("required", "optional", "none"):
-                raise StoreConfigError("ssl_cert_reqs must be required, optional or none")
-        elif tls:
-            raise StoreConfigError(f"{', '.join(sorted(tls))}: TLS options need rediss:// (or rediss+cluster://)")
+            kwargs.update(dict(spec.tls))
         return kwargs
 
-    def _connect(self, redis, parts, kwargs: dict):
-        hosts = [h for h in (parts.netloc.rpartition("@")[2]).split(",") if h]
-        if not hosts:
-            raise StoreConfigError(f"{self.url}: name at least one host:port")
-        try:
-            nodes = [(h.rpartition(":")[0] or h, int(h.rpartition(":")[2]) if ":" in h else 6379) for h in hosts]
-        except ValueError:
-            raise StoreConfigError(f"{self.url}: hosts are host:port") from None
-        where = ", ".join(f"{h}:{p}" for h, p in nodes)
+    def _connect(self, redis, kwargs: dict):
+        nodes, where = self.spec.hosts, self.spec.where
         # redis-py's default retries turn a 1 s timeout into 15 s: one attempt, then _down_until skips the
         # node. The cluster client's own retries (its node clients have none) only serve start-up: when its
         # default node is down, the next try asks another one.
@@ -123,13 +99,8 @@ class RedisStore(Store):
                 client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], require_full_coverage=False,
                                       retry=Retry(NoBackoff(), 2), **kwargs)
             else:
-                if len(nodes) > 1:
-                    raise StoreConfigError(f"{self.url}: several hosts need redis+cluster://")
-                db = parts.path.strip("/") or "0"
-                if not db.isdigit():
-                    raise StoreConfigError(f"{self.url}: the path is a database number, got {db!r}")
-                client = redis.Redis(host=nodes[0][0], port=nodes[0][1], db=int(db), retry=Retry(NoBackoff(), 0),
-                                     **kwargs)
+                client = redis.Redis(host=nodes[0][0], port=nodes[0][1], db=self.spec.db,
+                                     retry=Retry(NoBackoff(), 0), **kwargs)
             client.ping()
         except redis.exceptions.AuthenticationError as exc:
             raise StoreConfigError(f"Redis at {where} refused the credentials in the URL: {exc}") from None
@@ -142,7 +113,7 @@ class RedisStore(Store):
             raise StoreConfigError(f"cannot reach Redis at {where}: {exc}") from None
         return client
 
-    def _capacity(self, declared: str | None) -> int:
+    def _capacity(self, declared: int | None) -> int:
         """The declared capacity, else the servers' maxmemory; warn when nothing bounds growth."""
         limits, policies = [], set()
         try:
@@ -158,7 +129,7 @@ class RedisStore(Store):
                         "writes when full; set maxmemory and maxmemory-policy allkeys-lru", self.url,
                         "no maxmemory" if 0 in limits else f"maxmemory {sum(limits)}", "/".join(sorted(policies)))
         if declared:
-            return parse_size(declared, "redis capacity")
+            return declared
         return sum(limits) if limits and 0 not in limits else parse_size(DEFAULT_CAPACITY)
 
     def _per_node(self, fn):
@@ -238,7 +209,7 @@ class RedisStore(Store):
         try:
             self.client.nodes_manager.initialize(last_failed_node_name=last)
         except Exception as exc:  # noqa: BLE001 - any failure leaves the old map in place
-            log.info("Redis store %s: slot map not refreshed (%s)", self.url, exc)
+            log.info("Redis store %s: slot map not refreshed (%s)", self.url, exc, exc_info=True)
 
     def _key(self, key: bytes) -> bytes:
         return self.prefix + key

@@ -77,7 +77,7 @@ def parse_url(url: str) -> StoreURL:
     if not isinstance(url, str) or "://" not in url:
         raise StoreConfigError(
             f"invalid store URL {redact_url(url) if isinstance(url, str) else url!r}: expected "
-            "memory://?capacity=4GiB, lmdb:///abs/dir?capacity=100GiB "
+            "memory://?capacity=4GiB, lmdb:///abs/dir?capacity=100GiB, redis://host:6379/0 "
             "or tiered://?memory=4GiB&lmdb=/abs/dir&lmdb_capacity=100GiB"
         )
     if "#" in url:  # urlsplit would drop the rest as a fragment: options, even part of a path or password

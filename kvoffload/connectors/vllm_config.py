@@ -1,0 +1,63 @@
+"""`kv_connector_extra_config`, validated in one place at start-up (both roles): unknown keys, a bad
+store URL or policy are a `ConfigError` naming the key, never a crashed engine later."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ..errors import ConfigError
+from ..paths import vllm_store_url
+from ..store import StoreSpec, TieredSpec, parse_store_url
+
+LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+
+def _doc(text: str, default: Any = None) -> Any:
+    return field(default=default, metadata={"doc": text})
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    store: str = _doc("store URL (memory://, lmdb:///abs/dir, redis://host:port/db, tiered://...); default lmdb "
+                      "under ~/.cache/kvoffload", "")
+    namespace: str = _doc("key namespace: deployments that must not share cached prefixes use different ones",
+                          "vllm")
+    model_id: str | None = _doc("identity of the weights in the layout fingerprint (default: the served model name)")
+    model_revision: str | None = _doc("a revision naming the weights (a commit, a checksum): keys use it instead "
+                                      "of hashing the weight files")
+    load_failure_policy: str = _doc("'recompute' (default: a failed load is a cache miss) or 'fail' (vLLM's own "
+                                    "default)", "recompute")
+    spec: StoreSpec = field(init=False, repr=False, compare=False)  # the store URL, parsed once
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name, None)
+            if f.init and value is not None and not isinstance(value, str):
+                raise ConfigError(f"KVOffloadConnector: {f.name} must be a string, got {type(value).__name__} "
+                                  f"{str(value)[:40]!r}")
+        if self.load_failure_policy not in LOAD_FAILURE_POLICIES:
+            raise ConfigError("KVOffloadConnector: load_failure_policy must be 'recompute' or 'fail', got "
+                              f"{self.load_failure_policy!r}")
+        if not self.namespace:
+            raise ConfigError("KVOffloadConnector: namespace must not be empty")
+        object.__setattr__(self, "store", self.store or vllm_store_url())
+        spec = parse_store_url(self.store)  # a bad URL fails at start-up, in both roles
+        if isinstance(spec, TieredSpec) and spec.admit != 1:
+            raise ConfigError("KVOffloadConnector: tiered:// admit= above 1 is not supported under vLLM yet: its "
+                              "scheduler sees the disk tier only, so a page waiting in memory for admission would "
+                              "never be hit, hence never admitted; leave admit at 1")
+        object.__setattr__(self, "spec", spec)
+
+    @classmethod
+    def from_extra(cls, extra: dict | None) -> ConnectorConfig:
+        """From vLLM's kv_connector_extra_config; an unknown key is refused (a typo must not be ignored)."""
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(EXTRA_CONFIG_KEYS))
+        if unknown:
+            raise ConfigError(f"KVOffloadConnector: unknown kv_connector_extra_config key(s) {unknown}; "
+                              f"known: {sorted(EXTRA_CONFIG_KEYS)}")
+        return cls(**{k: v for k, v in extra.items() if v is not None})
+
+
+EXTRA_CONFIG_KEYS = {f.name: f.metadata["doc"] for f in fields(ConnectorConfig) if f.init}

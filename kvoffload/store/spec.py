@@ -1,0 +1,258 @@
+"""A store URL parsed and validated once into a typed spec, through one registry: scheme -> parser ->
+spec -> opener. Everything that needs a store option (the stores, the vLLM scheduler's mirror of a
+memory tier, `verify`) reads the spec, never the URL again. `spec.url()` is the canonical URL, its
+passwords replaced by *** (for logs and errors); `spec.url(redact=False)` parses back to an equal spec."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, Union
+from urllib.parse import quote, unquote, urlencode, urlsplit
+
+from .errors import StoreConfigError
+from .eviction import POLICIES
+from .url import StoreURL, parse_bool, parse_size, parse_url, redact_url
+
+DEFAULT_MEMORY_CAPACITY = "4GiB"
+DEFAULT_LMDB_CAPACITY = "16GiB"  # allocated on disk at open (x1.31): a default must stay modest
+DEFAULT_REDIS_TIMEOUT = 2.0
+REDIS_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
+TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
+
+
+def _auto_bool(option: str | None, name: str) -> bool | None:
+    if option is None or option.lower() == "auto":
+        return None
+    return parse_bool(option, name)
+
+
+def _evict(opts: dict[str, str], scheme: str) -> str:
+    name = opts.get("evict", "lru").strip().lower()
+    if name not in POLICIES:
+        raise StoreConfigError(f"{scheme}:// evict= takes {' or '.join(POLICIES)}, got {opts['evict'][:40]!r}")
+    return name
+
+
+def _query(pairs: dict) -> str:
+    shown = {k: ("auto" if v is None else str(v).lower() if isinstance(v, bool) else v) for k, v in pairs.items()}
+    return urlencode(shown, safe="/:")
+
+
+@dataclass(frozen=True)
+class MemorySpec:
+    """memory://?capacity=4GiB[&pinned=][&reserve=][&evict=]: one process's host memory."""
+
+    scheme: ClassVar[str] = "memory"
+    capacity: int
+    pinned: bool | None = None
+    reserve: bool | None = None
+    evict: str = "lru"
+
+    def url(self, redact: bool = True) -> str:
+        options = dict(capacity=self.capacity, pinned=self.pinned, reserve=self.reserve, evict=self.evict)
+        return f"memory://?{_query(options)}"
+
+
+@dataclass(frozen=True)
+class LMDBSpec:
+    """lmdb:///abs/dir?capacity=100GiB: a disk tier."""
+
+    scheme: ClassVar[str] = "lmdb"
+    path: str
+    capacity: int
+
+    def url(self, redact: bool = True) -> str:
+        return f"lmdb://{quote(self.path)}?capacity={self.capacity}"
+
+
+@dataclass(frozen=True)
+class RedisSpec:
+    """redis://[user:password@]host:port/db?namespace=&timeout=&capacity= (rediss:// TLS; +cluster: seeds)."""
+
+    scheme: str
+    hosts: tuple[tuple[str, int], ...]
+    db: int = 0
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)  # never in a repr, log or error
+    namespace: str = "default"
+    timeout: float = DEFAULT_REDIS_TIMEOUT
+    capacity: int | None = None  # None: the servers' maxmemory
+    tls: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def cluster(self) -> bool:
+        return self.scheme.endswith("+cluster")
+
+    @property
+    def where(self) -> str:
+        return ", ".join(f"{h}:{p}" for h, p in self.hosts)
+
+    def url(self, redact: bool = True) -> str:
+        user = ""
+        if self.username is not None or self.password is not None:
+            user = quote(self.username or "", safe="")
+            if self.password is not None:
+                user += ":" + ("***" if redact else quote(self.password, safe=""))
+            user += "@"
+        options = {"namespace": self.namespace, "timeout": repr(self.timeout), **dict(self.tls)}
+        if self.capacity is not None:
+            options["capacity"] = self.capacity
+        path = "" if self.cluster else str(self.db)
+        return f"{self.scheme}://{user}{','.join(f'{h}:{p}' for h, p in self.hosts)}/{path}?{_query(options)}"
+
+
+@dataclass(frozen=True)
+class TieredSpec:
+    """tiered://?memory=&lmdb=&lmdb_capacity=&redis=&write=&behind_bytes=&behind_age=&admit=&evict=."""
+
+    scheme: ClassVar[str] = "tiered"
+    memory: MemorySpec
+    lmdb: LMDBSpec | None = None
+    redis: RedisSpec | None = None
+    write: str = "behind"
+    behind_bytes: int | None = None  # None: min(memory/2, 2GiB)
+    behind_age: float | None = None  # None: 30 s
+    admit: int = 1
+
+    def url(self, redact: bool = True) -> str:
+        m = self.memory
+        options = dict(memory=m.capacity, pinned=m.pinned, reserve=m.reserve, evict=m.evict, write=self.write)
+        if self.lmdb:
+            options.update(lmdb=self.lmdb.path, lmdb_capacity=self.lmdb.capacity)
+        if self.redis:
+            options["redis"] = self.redis.url(redact=False)
+        extra = dict(behind_bytes=self.behind_bytes, behind_age=self.behind_age and repr(self.behind_age),
+                     admit=self.admit if self.admit != 1 else None)
+        options.update({k: v for k, v in extra.items() if v is not None})
+        url = f"tiered://?{_query(options)}"
+        return redact_url(url) if redact else url
+
+    def behind_options(self) -> dict:
+        """The write-behind keywords TieredStore takes, only those given."""
+        given = dict(behind_bytes=self.behind_bytes, behind_age=self.behind_age)
+        if self.admit != 1:
+            given["admit"] = self.admit
+        return {k: v for k, v in given.items() if v is not None}
+
+
+StoreSpec = Union[MemorySpec, LMDBSpec, RedisSpec, TieredSpec]
+
+
+def _memory(parsed: StoreURL, url: str) -> MemorySpec:
+    opts = parsed.take({"capacity", "pinned", "reserve", "evict"})
+    if parsed.path not in ("", "/"):
+        raise StoreConfigError(f"memory:// takes no path, got {redact_url(parsed.path)!r} in {redact_url(url)!r}")
+    return MemorySpec(parse_size(opts.get("capacity", DEFAULT_MEMORY_CAPACITY), "memory capacity"),
+                      _auto_bool(opts.get("pinned"), "pinned"), _auto_bool(opts.get("reserve"), "reserve"),
+                      _evict(opts, "memory"))
+
+
+def _lmdb(parsed: StoreURL, url: str) -> LMDBSpec:
+    opts = parsed.take({"capacity"})
+    if not parsed.path:
+        raise StoreConfigError("lmdb:// needs an absolute directory, e.g. lmdb:///var/cache/kvoffload "
+                               f"({redact_url(url)!r})")
+    return LMDBSpec(parsed.path, parse_size(opts.get("capacity", DEFAULT_LMDB_CAPACITY), "lmdb capacity"))
+
+
+def _timeout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise StoreConfigError(f"redis timeout={text!r}: give the seconds a call may wait, a positive number such as 2")
+    return value
+
+
+def _redis(parsed: StoreURL, url: str) -> RedisSpec:
+    opts = parsed.take({"capacity", "namespace", "timeout", *TLS_OPTIONS})
+    shown = redact_url(url)
+    parts = urlsplit(url)
+    tls = tuple((k, opts[k]) for k in TLS_OPTIONS if k in opts)
+    if parsed.scheme.startswith("rediss"):
+        if dict(tls).get("ssl_cert_reqs", "required") not in ("required", "optional", "none"):
+            raise StoreConfigError("ssl_cert_reqs must be required, optional or none")
+    elif tls:
+        raise StoreConfigError(f"{', '.join(k for k, _ in tls)}: TLS options need rediss:// (or rediss+cluster://)")
+    hosts = [h for h in parts.netloc.rpartition("@")[2].split(",") if h]
+    if not hosts:
+        raise StoreConfigError(f"{shown}: name at least one host:port")
+    try:
+        nodes = tuple((h.rpartition(":")[0] or h, int(h.rpartition(":")[2]) if ":" in h else 6379) for h in hosts)
+    except ValueError:
+        raise StoreConfigError(f"{shown}: hosts are host:port") from None
+    db = "0"
+    if not parsed.scheme.endswith("+cluster"):
+        if len(nodes) > 1:
+            raise StoreConfigError(f"{shown}: several hosts need redis+cluster://")
+        db = parts.path.strip("/") or "0"
+        if not db.isdigit():
+            raise StoreConfigError(f"{shown}: the path is a database number, got {db!r}")
+    return RedisSpec(parsed.scheme, nodes, int(db),
+                     unquote(parts.username) if parts.username else None,
+                     unquote(parts.password) if parts.password else None,
+                     opts.get("namespace", "default"), _timeout(opts.get("timeout", str(DEFAULT_REDIS_TIMEOUT))),
+                     parse_size(opts["capacity"], "redis capacity") if opts.get("capacity") else None, tls)
+
+
+def _tiered(parsed: StoreURL, url: str) -> TieredSpec:
+    opts = parsed.take({"memory", "lmdb", "lmdb_capacity", "pinned", "reserve", "redis", "write", "behind_bytes",
+                        "behind_age", "admit", "evict"})
+    if "lmdb" not in opts and "redis" not in opts:
+        raise StoreConfigError("tiered:// needs lmdb=/abs/dir and/or redis=<URL> (and optionally memory=): "
+                               f"{redact_url(url)!r}")
+    write = opts.get("write", "behind").lower()
+    if write not in ("behind", "through"):
+        raise StoreConfigError(f"tiered:// write= takes behind or through, got {opts['write'][:40]!r}")
+    if write == "through" and ({"behind_bytes", "behind_age"} & set(opts)):
+        raise StoreConfigError("tiered:// behind_bytes= and behind_age= apply to write=behind only: "
+                               f"{redact_url(url)!r}")
+    behind_bytes = parse_size(opts["behind_bytes"], "behind_bytes") if "behind_bytes" in opts else None
+    behind_age = None
+    if "behind_age" in opts:
+        try:
+            behind_age = float(opts["behind_age"])
+        except ValueError:
+            behind_age = math.nan
+        if not 0 < behind_age < math.inf:
+            raise StoreConfigError(f"tiered:// behind_age= takes a positive number of seconds, got "
+                                   f"{opts['behind_age'][:40]!r}")
+    admit = 1
+    if "admit" in opts:
+        if not opts["admit"].isdigit() or not 1 <= int(opts["admit"]) <= 1000:
+            raise StoreConfigError("tiered:// admit= takes a number of uses from 1 to 1000, got "
+                                   f"{opts['admit'][:40]!r}")
+        if write == "through" and int(opts["admit"]) > 1:
+            raise StoreConfigError(f"tiered:// admit= above 1 needs write=behind: {redact_url(url)!r}")
+        admit = int(opts["admit"])
+    redis = None
+    if "redis" in opts:
+        inner = parse_url(opts["redis"])
+        if inner.scheme not in REDIS_SCHEMES:
+            raise StoreConfigError("tiered:// redis= takes a redis://, rediss:// or redis+cluster:// URL: "
+                                   f"{redact_url(url)!r}")
+        redis = _redis(inner, opts["redis"])
+    lmdb = None
+    if "lmdb" in opts:
+        lmdb = LMDBSpec(opts["lmdb"], parse_size(opts.get("lmdb_capacity", DEFAULT_LMDB_CAPACITY), "lmdb_capacity"))
+    memory = MemorySpec(parse_size(opts.get("memory", DEFAULT_MEMORY_CAPACITY), "memory capacity"),
+                        _auto_bool(opts.get("pinned"), "pinned"), _auto_bool(opts.get("reserve"), "reserve"),
+                        _evict(opts, "tiered"))
+    return TieredSpec(memory, lmdb, redis, write, behind_bytes, behind_age, admit)
+
+
+# scheme -> parser; the openers are in kvoffload.store (open_spec), next to the store classes.
+PARSERS: dict[str, Callable[[StoreURL, str], StoreSpec]] = {
+    "memory": _memory, "lmdb": _lmdb, **{s: _redis for s in REDIS_SCHEMES}, "tiered": _tiered}
+
+
+def parse_store_url(url: str) -> StoreSpec:
+    """The spec a store URL names, validated: a StoreConfigError says what to change."""
+    parsed = parse_url(url)
+    parser = PARSERS.get(parsed.scheme)
+    if parser is None:
+        raise StoreConfigError(f"unknown store scheme {parsed.scheme!r} in {redact_url(url)!r}: use memory://, "
+                               "lmdb://, redis:// (rediss://, redis+cluster://) or tiered://")
+    return parser(parsed, url)

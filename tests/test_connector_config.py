@@ -1,0 +1,40 @@
+"""`kv_connector_extra_config` validated in one place (`connectors.vllm_config.ConnectorConfig`): every
+bad value is a `ConfigError` (a `KVOffloadError` and a `ValueError`, as vLLM expects) naming what to fix."""
+
+import pytest
+
+from kvoffload.connectors.vllm_config import EXTRA_CONFIG_KEYS, ConnectorConfig
+from kvoffload.errors import ConfigError, KVOffloadError
+from kvoffload.store import LMDBSpec, MemorySpec, StoreConfigError
+
+
+@pytest.mark.parametrize("extra, error, message", [
+    ({"colour": "blue"}, ConfigError, r"unknown kv_connector_extra_config key\(s\) \['colour'\]"),
+    ({"load_failure_policy": "sometimes"}, ConfigError, "load_failure_policy must be 'recompute' or 'fail'"),
+    ({"store": "lmdb://"}, StoreConfigError, "needs an absolute directory"),
+    ({"store": "redis://h:1/0?timeout=soon"}, StoreConfigError, "timeout="),
+    ({"store": "tiered://?lmdb=/d&admit=2"}, ConfigError, "admit= above 1 is not supported under vLLM"),
+    ({"namespace": 7}, ConfigError, "namespace must be a string"),
+    ({"store": ["lmdb:///d"]}, ConfigError, "store must be a string"),
+])
+def test_bad_values_are_config_errors(extra, error, message):
+    with pytest.raises(error, match=message) as raised:
+        ConnectorConfig.from_extra(extra)
+    assert isinstance(raised.value, KVOffloadError) and isinstance(raised.value, ValueError)
+
+
+def test_defaults_and_the_parsed_store(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    config = ConnectorConfig.from_extra(None)
+    assert (config.namespace, config.load_failure_policy, config.model_id, config.model_revision) == \
+        ("vllm", "recompute", None, None)
+    assert config.store == f"lmdb://{tmp_path}/kvoffload/vllm-store?capacity=16GiB"
+    assert config.spec == LMDBSpec(f"{tmp_path}/kvoffload/vllm-store", 16 << 30)
+    config = ConnectorConfig.from_extra({"store": "memory://?capacity=1MiB", "namespace": "a", "model_revision": "r1",
+                                         "load_failure_policy": "fail"})
+    assert config.spec == MemorySpec(1 << 20) and config.namespace == "a" and config.model_revision == "r1"
+
+
+def test_the_documented_keys_are_the_fields():
+    assert set(EXTRA_CONFIG_KEYS) == {"store", "namespace", "model_id", "model_revision", "load_failure_policy"}
+    assert all(EXTRA_CONFIG_KEYS.values())

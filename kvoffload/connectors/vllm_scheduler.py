@@ -98,13 +98,15 @@ class _Scheduler:
     """The scheduler process's half: plans on `layout` (kinds only), keys requests with `chain`."""
 
     def __init__(self, layout: KindsLayout, chain: KeyChain, store_url: str, tp_size: int, workers: int,
-                 namespace: str = "vllm"):
+                 namespace: str = "vllm", *, spec: StoreSpec | None = None):
+        """`spec`: `store_url` as the connector's configuration parsed it (parsed here when absent)."""
         self.layout, self.chain, self.tp_size, self.namespace = layout, chain, tp_size, namespace
         self.kinds = list(layout.kinds)
         self.block_size = layout.block_size
         self.counters: Counter[str] = Counter()
         self._requests: dict[str, _RequestState] = {}
-        self._mirror = _mirror_for(parse_store_url(store_url), workers)
+        self._spec = spec or parse_store_url(store_url)
+        self._mirror = _mirror_for(self._spec, workers)
         self._store_url = store_url
         if self._mirror is None:  # a memory store lives in the workers; others open here, at start-up
             self._store.claim(namespace)
@@ -124,7 +126,7 @@ class _Scheduler:
         """Record BlockStored / BlockRemoved events for vLLM's publisher (`vllm_events`)."""
         mirror = self._mirror
         contains = (lambda keys: [k in mirror.sizes for k in keys]) if mirror is not None else self._store_presence
-        medium = medium_for(parse_store_url(self._store_url).scheme)
+        medium = medium_for(self._spec.scheme)
         self._events = KVEvents(self.layout, medium, hash_block_size, contains)
 
     def take_events(self) -> list:

@@ -684,3 +684,21 @@ def test_a_crafted_cache_salt_never_yields_another_requests_keys(tmp_path):
     assert keys("|lora:x") != keys(lora="x")
     assert keys("a|mm:h") != keys("a", mm=["h"])
     assert keys(lora="x") == keys(lora="x") and keys() == scheduler.chain.keys(prompt)
+
+
+def test_max_saved_blocks_caps_what_one_request_writes(tmp_path):
+    """kv_connector_extra_config max_saved_blocks=1: the save jobs of a 3-block prompt hold block 0's
+    PAGED pages and its boundary checkpoints only; a fresh engine's lookup then offers that one block."""
+    url = f"lmdb://{tmp_path}/store?capacity=256MiB"
+    vc, worker_cfg = _glm_vllm_config(BLOCK, url, max_saved_blocks="1")
+    engine = _Engine(vc, worker_cfg)
+    engine.add("r", _prompt(7))
+    for _ in range(20):
+        if "r" not in engine.scheduler.requests or engine.scheduler.requests["r"].is_finished():
+            break
+        engine.step()
+    saved = [page for step in engine.steps for job in step["meta"].saves for page in job.pages]
+    assert saved and {index for _, _, index, _ in saved} == {0}
+    assert {g for _, g, _, _ in saved} == {MLA_GROUP, *KDA_GROUPS}
+    with pytest.raises(ValueError, match="max_saved_blocks must be a positive whole number"):
+        _connector(tmp_path, max_saved_blocks="0")

@@ -39,11 +39,14 @@ LINK_GBPS = 52.5  # host -> device through the memory tier, H200 machine (BENCHM
 MEMORY_CAPACITY = 64 << 30  # model bytes of host memory for KV (one GPU's share)
 DISK_CAPACITIES = (1 << 40, 256 << 30)  # model bytes of local disk for KV: roomy, then under pressure
 # (name, disk capacity or None: memory only, admit, memory eviction); "no offload" stores nothing
+CAP_BLOCKS = 8  # the per-request cap tried (vLLM connector: max_saved_blocks)
 POLICIES = (("no offload", None, None, "lru"), ("memory only, LRU", None, 1, "lru"),
             ("memory only, S3-FIFO", None, 1, "s3fifo"),
             *((f"memory + disk {d >> 30} GiB, {'store everything' if a == 1 else f'admit={a}'}"
                f"{', S3-FIFO memory' if e == 's3fifo' else ''}", d, a, e)
-              for d in DISK_CAPACITIES for a in (1, 2, 3) for e in ("lru", "s3fifo") if e == "lru" or a < 3))
+              for d in DISK_CAPACITIES for a in (1, 2, 3) for e in ("lru", "s3fifo") if e == "lru" or a < 3),
+            *((f"memory + disk {d >> 30} GiB, store everything, cap {CAP_BLOCKS} blocks", d, 1, "lru", CAP_BLOCKS)
+              for d in DISK_CAPACITIES))
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,9 @@ def _raw_disk_read_gbps(tmp: str, nbytes: int) -> float:
 class _Replay:
     """One policy's run over the trace: a fresh store, counters at model size."""
 
-    def __init__(self, layout, disk: int | None, admit: int | None, evict: str, directory: str):
+    def __init__(self, layout, disk: int | None, admit: int | None, evict: str, directory: str,
+                 cap: int | None = None):
+        self.cap = cap  # a request's keys stop after this many blocks: nothing beyond is saved or hit
         self.layout, self.admit, self.disk, self.evict = layout, admit, disk, evict
         self.size = {g.name: -(-g.used_bytes_per_block // SCALE) for g in layout.cacheable_groups}
         self.payload = bytes(max(self.size.values()))
@@ -138,7 +143,7 @@ class _Replay:
         if self.store is None:
             self.per_request.append((0, 0, 0))
             return
-        keys = chain.keys(tokens)
+        keys = chain.keys(tokens)[:self.cap]
         hit = hit_blocks(self.layout, keys, len(tokens), self.store.contains_many)
         memory = disk = 0
         if hit:
@@ -164,7 +169,8 @@ class _Replay:
         saved = [hit / PREFILL_TOKENS_PER_S - memory / (LINK_GBPS * 1e9) - disk / (disk_gbps * 1e9)
                  for hit, memory, disk in self.per_request]
         stats = self.store.stats() if self.store is not None else {}
-        row = {"policy": name, "admit": self.admit, "disk_capacity": self.disk, "evict": self.evict, **self.totals,
+        row = {"policy": name, "admit": self.admit, "disk_capacity": self.disk, "evict": self.evict,
+               "max_saved_blocks": self.cap, **self.totals,
                "hit_rate_tokens": round(self.totals["hit_tokens"] / self.totals["prompt_tokens"], 4),
                "disk_written_bytes": int(stats.get("behind_written_bytes", 0)) * SCALE,
                # a request's pages beyond behind_bytes (half the memory tier) stay in memory only
@@ -191,8 +197,8 @@ def run(quick: bool = False, progress=None, seed: int = 0) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvoffload-trace-") as tmp:
         disk_gbps = _raw_disk_read_gbps(tmp, (64 << 20) if quick else (1 << 30))
         say(f"[bench trace] raw sequential disk read here: {disk_gbps:.2f} GB/s")
-        for n, (name, disk, admit, evict) in enumerate(POLICIES):
-            replay = _Replay(layout, disk, admit, evict, os.path.join(tmp, f"store-{n}"))
+        for n, (name, disk, admit, evict, *cap) in enumerate(POLICIES):
+            replay = _Replay(layout, disk, admit, evict, os.path.join(tmp, f"store-{n}"), *cap)
             started = time.perf_counter()
             for i, request in enumerate(trace):
                 replay.request(chain, request.tokens)

@@ -111,7 +111,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             workers = max(int(getattr(parallel, "world_size", 1) or 1), 1)
             self.connector_scheduler = _Scheduler(self.view, self.chain, self.store_url, self.tp_size, workers,
-                                                  self.namespace, spec=config.spec)
+                                                  self.namespace, spec=config.spec, max_blocks=config.max_blocks)
             events = getattr(vllm_config, "kv_events_config", None)
             if events is not None and events.enable_kv_cache_events:  # vLLM drains take_events every step
                 self.connector_scheduler.enable_events(

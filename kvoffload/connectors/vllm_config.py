@@ -28,6 +28,8 @@ class ConnectorConfig:
                                       "of hashing the weight files")
     load_failure_policy: str = _doc("'recompute' (default: a failed load is a cache miss) or 'fail' (vLLM's own "
                                     "default)", "recompute")
+    max_saved_blocks: str | None = _doc("save at most this many leading blocks of each prompt (a per-request cap "
+                                        "on what one request may write; default: every full block)")
     spec: StoreSpec = field(init=False, repr=False, compare=False)  # the store URL, parsed once
 
     def __post_init__(self):
@@ -48,6 +50,13 @@ class ConnectorConfig:
                               "scheduler sees the disk tier only, so a page waiting in memory for admission would "
                               "never be hit, hence never admitted; leave admit at 1")
         object.__setattr__(self, "spec", spec)
+        if self.max_saved_blocks is not None and not (self.max_saved_blocks.isdigit() and int(self.max_saved_blocks)):
+            raise ConfigError("KVOffloadConnector: max_saved_blocks must be a positive whole number of blocks, got "
+                              f"{self.max_saved_blocks[:40]!r}")
+
+    @property
+    def max_blocks(self) -> int | None:
+        return None if self.max_saved_blocks is None else int(self.max_saved_blocks)
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> ConnectorConfig:

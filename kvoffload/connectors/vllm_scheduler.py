@@ -98,8 +98,10 @@ class _Scheduler:
     """The scheduler process's half: plans on `layout` (kinds only), keys requests with `chain`."""
 
     def __init__(self, layout: KindsLayout, chain: KeyChain, store_url: str, tp_size: int, workers: int,
-                 namespace: str = "vllm", *, spec: StoreSpec | None = None):
-        """`spec`: `store_url` as the connector's configuration parsed it (parsed here when absent)."""
+                 namespace: str = "vllm", *, spec: StoreSpec | None = None, max_blocks: int | None = None):
+        """`spec`: `store_url` as the connector's configuration parsed it (parsed here when absent);
+        `max_blocks`: a request's keys (hence its saves and hits) stop after this many prompt blocks."""
+        self.max_blocks = max_blocks
         self.layout, self.chain, self.tp_size, self.namespace = layout, chain, tp_size, namespace
         self.kinds = list(layout.kinds)
         self.block_size = layout.block_size
@@ -162,7 +164,8 @@ class _Scheduler:
         state = self._requests.get(request.request_id)
         if state is None:
             prompt = list(request.prompt_token_ids or [])
-            state = _RequestState(self._salted_chain(request).keys(prompt), len(prompt))
+            keys = self._salted_chain(request).keys(prompt)[:self.max_blocks]  # prompt blocks only, capped
+            state = _RequestState(keys, len(prompt))
             self._requests[request.request_id] = state
         if self._events is not None:
             state.request = request

@@ -37,8 +37,12 @@ slot, so a DMA reads straight from the arena. Values too large for the front are
 
 Locks: `_lock` (with its condition `_changed`) guards the queue; it is held for dictionary operations
 and for the front's `acquire` / `delete` (so a delete and a put's queueing never interleave), then the
-tiers' own locks are taken inside it. It is never held across a call to the back: the writer commits
-without it, and a delete waits for the batch holding its key on the condition, not on a lock.
+tiers' own locks are taken inside it. It is held across a call to the back in `clear` only (rare, an
+operator's reset: no batch is in flight then and none can start), never on the write or read path: the
+writer commits without it, and a delete waits for the batch holding its key on the condition, not on a
+lock. Order: `_lock`, then the front's or the back's own locks; no thread holding a tier's lock waits
+for `_lock` (the writer takes it only after `back.put_many` returns; the admission count `_uses` is
+guarded by `_lock` alone).
 """
 
 from __future__ import annotations

@@ -57,9 +57,8 @@ def writes(layout: CacheLayout, group: CacheGroup) -> bool:
 def _pages(layout, block_keys: Sequence[bytes], blocks: Iterable[int], kind: GroupKind,
            rank: int | None = None, table: BlockTable | None = None) -> list[Page]:
     groups = [g for g in layout.cacheable_groups if g.kind is kind]
-    if table is None:
-        return [page(layout, block_keys[i], g, i, rank) for i in blocks for g in groups]
-    return [page(layout, block_keys[i], g, i, rank, physical_block(table, g, i)) for i in blocks for g in groups]
+    return [page(layout, block_keys[i], g, i, rank, None if table is None else physical_block(table, g, i))
+            for i in blocks for g in groups]
 
 
 def _every_rank(layout, block_keys: Sequence[bytes], blocks: range, kind: GroupKind) -> list[Page]:

@@ -193,5 +193,8 @@ def test_the_vllm_scheduler_mirror_evicts_as_the_worker_memory_tier_does(evict):
             mirror.update(StoredPages(added={key: 4096}))
         assert set(mirror.sizes) == set(store._index), step
     assert all(k in mirror.sizes for k in hot) is (evict == "s3fifo")
+    mirror.clear()  # reset_cache: nothing held, and nothing left to offer as a victim
+    assert mirror.used == 0 and mirror.policy.victim(lambda k: True) is None
+    assert mirror.update(StoredPages(added={b"after": 4096})) == set()
     with pytest.raises(StoreConfigError, match="lru or s3fifo"):
         _mirror_for(parse_store_url("memory://?evict=arc"), 1)

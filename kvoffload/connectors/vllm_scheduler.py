@@ -57,6 +57,7 @@ class _MirrorIndex:
     def clear(self) -> None:
         self.used = 0
         self.sizes.clear()
+        self.policy.clear()  # else it would offer the cleared keys as victims (reported removed again)
 
     def contains_many(self, keys: list[bytes]) -> list[bool]:
         found = [k in self.sizes for k in keys]

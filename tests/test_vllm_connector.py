@@ -323,3 +323,27 @@ def test_kv_events_reach_vllms_zmq_publisher(llama_dir, tmp_path):
     gpu = {h for e in events if isinstance(e, BlockStored) and e.medium == "GPU" for h in e.block_hashes}
     assert {e.block_hashes[0] for e in ours} <= gpu, "the connector's hashes are not vLLM's"
     assert not [e for e in events if isinstance(e, BlockRemoved) and e.medium == "STORAGE"]
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_queued_requests_prefix_is_prefetched_from_disk(qwen_dir, tmp_path, prefetch):
+    """tiered:// after a restart (memory empty, the prefix on LMDB only), one request at a time: the
+    prompt added while another runs waits in vLLM's queue, and its prefix is promoted into memory
+    meanwhile, so its load reads memory, not disk; tokens equal the cold run's. prefetch_bytes=0: none."""
+    from kvoffload.bench.vllm_engine import Engine
+
+    url = store_url("tiered", tmp_path)
+    config = connector(url, **({} if prefetch else {"prefetch_bytes": "0"}))
+    with Engine(qwen_dir, config, block_size=BLOCK, max_model_len=1024, dtype="bfloat16",
+                engine_kwargs={"disable_log_stats": False}) as first:
+        cold = first.call("generate", prompts=[LONG], max_tokens=6)["rows"][0]
+    with Engine(qwen_dir, config, block_size=BLOCK, max_model_len=1024, dtype="bfloat16", in_process=True,
+                engine_kwargs={"max_num_seqs": 1}) as second:
+        out = second.call("queued", first=PROMPT_B, first_max_tokens=64, prompt=LONG, max_tokens=6, store=url)
+    assert out["tokens"] == cold["tokens"]
+    assert out["num_cached_tokens"] > 0, "the restarted engine's hit can only be the connector's"
+    store = out["store"]
+    if prefetch:
+        assert store["prefetched"] > 0 and store["memory_hits"] > 0
+    else:  # the load itself found memory empty and promoted what it read from disk
+        assert store["prefetched"] == 0 and store["memory_hits"] == 0 and store["promotions"] > 0

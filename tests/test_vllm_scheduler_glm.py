@@ -702,3 +702,59 @@ def test_max_saved_blocks_caps_what_one_request_writes(tmp_path):
     assert {g for _, g, _, _ in saved} == {MLA_GROUP, *KDA_GROUPS}
     with pytest.raises(ValueError, match="max_saved_blocks must be a positive whole number"):
         _connector(tmp_path, max_saved_blocks="0")
+
+
+def test_a_queued_request_is_prefetched_until_it_is_scheduled(tmp_path):
+    """tiered:// store, one request at a time (max_num_seqs=1): a request vLLM queues behind a running
+    one gets a PrefetchJob of its stored prefix in the step it arrived in, and its prefetch ends
+    (`prefetch_done`) in the step that schedules it, beside its LoadJob of the same blocks. A request
+    scheduled at once or with nothing stored gets none; a queued request that is aborted ends its own."""
+    from vllm.v1.request import RequestStatus
+
+    from kvoffload.store import shared_store
+
+    url = f"tiered://?memory=64MiB&lmdb={tmp_path}/db&lmdb_capacity=256MiB&pinned=false"
+    vc, worker_cfg = _glm_vllm_config(BLOCK, url)
+    vc.scheduler_config.max_num_seqs = 1
+    cold = _Engine(vc, worker_cfg)
+    cold.add("cold", _prompt(7))
+    cold.run()
+    kinds = cold.connector.kinds
+    saved = [page for step in cold.steps for job in step["meta"].saves for page in job.pages]
+    assert all(shared_store(url).back.put_many([(page_key(key, group_name(g, kinds[g])), b"page")
+                                                for key, g, _, _ in saved]))  # on disk only
+    engine = _Engine(vc, worker_cfg)
+    engine.add("first", _prompt(8), max_tokens=4)
+    engine.step()
+    assert not engine.steps[-1]["meta"].prefetches, "scheduled at once (and nothing stored): no prefetch"
+    engine.add("queued", _prompt(7))
+    engine.add("unknown", _prompt(9))
+    engine.step()
+    (job,) = engine.steps[-1]["meta"].prefetches
+    assert job.req_id == "queued" and job.end == 3 and len(job.block_keys) == 3
+    engine.add("gone", _prompt(7))
+    engine.step()
+    assert [j.req_id for j in engine.steps[-1]["meta"].prefetches] == ["gone"]
+    engine.scheduler.finish_requests("gone", RequestStatus.FINISHED_ABORTED)
+    engine.step()
+    assert engine.steps[-1]["meta"].prefetch_done == ["gone"]
+    engine.run(max_steps=40)
+    (load_step,) = [step["meta"] for step in engine.steps if any(j.req_id == "queued" for j in step["meta"].loads)]
+    assert load_step.prefetch_done == ["queued"]
+    assert [(j.start, j.end) for j in load_step.loads if j.req_id == "queued"] == [(0, job.end)]
+    assert not engine.connector.connector_scheduler._prefetching
+    assert sum(len(step["meta"].prefetches) for step in engine.steps) == 2
+
+
+def test_prefetch_is_off_without_a_memory_tier_or_when_asked(tmp_path):
+    from kvoffload.connectors.vllm_config import ConnectorConfig
+    from kvoffload.errors import ConfigError
+
+    tiered = f"tiered://?memory=64MiB&lmdb={tmp_path}/db&lmdb_capacity=256MiB"
+    assert ConnectorConfig(store=tiered).prefetch_budget is None  # the worker's default: memory / 4
+    assert ConnectorConfig(store=tiered, prefetch_bytes="0").prefetch_budget == 0
+    assert ConnectorConfig(store=tiered, prefetch_bytes="1GiB").prefetch_budget == 1 << 30
+    assert ConnectorConfig(store=f"lmdb://{tmp_path}/db?capacity=1GiB").prefetch_budget == 0
+    with pytest.raises(ConfigError, match="prefetch_bytes"):
+        ConnectorConfig(store=tiered, prefetch_bytes="lots")
+    assert not _connector(tmp_path).connector_scheduler.prefetch  # lmdb:// alone: nothing to promote into

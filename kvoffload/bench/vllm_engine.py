@@ -15,6 +15,10 @@ Commands (one JSON object per line on the child's stdin; one JSON reply per line
     {"op": "stall", "decode_prompts": [[ids]], "long_prompt": [ids], "quiet_steps": q, "window_steps": w}
         in-process engines only: every step's wall time and scheduled tokens while decode requests run and
         one long prompt (one output token) joins them (`_stall`)
+    {"op": "queued", "first": [ids], "first_max_tokens": n, "prompt": [ids], "max_tokens": m, "store": url}
+        in-process engines only: `prompt` is added while `first` runs (with max_num_seqs=1 it waits in
+        vLLM's queue): its time to first token, tokens and cached tokens, and the deltas of the store's
+        counters over the run (`_queued`)
 """
 
 from __future__ import annotations
@@ -238,6 +242,40 @@ def _stall(llm, command: dict) -> dict:
             "long_cached_tokens": cached}
 
 
+def _queued(llm, command: dict) -> dict:
+    """`first` is added and stepped until it has its first token; then `prompt` is added, and the engine
+    stepped until both finished: the time from adding `prompt` to its first token, its tokens and
+    cached tokens, and the store's counters (`shared_store(command["store"])`, the worker's own store
+    in an in-process engine) as deltas over those steps."""
+    from vllm import SamplingParams
+
+    from kvoffload.store import shared_store
+
+    engine, tag = llm.llm_engine, f"queued{time.monotonic_ns()}"
+
+    def params(n: int):
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+
+    engine.add_request(f"{tag}-first", {"prompt_token_ids": command["first"]}, params(command["first_max_tokens"]))
+    while not any(o.outputs and o.outputs[0].token_ids for o in engine.step()):
+        pass
+    before = shared_store(command["store"]).stats()
+    added = time.perf_counter()
+    engine.add_request(f"{tag}-queued", {"prompt_token_ids": command["prompt"]}, params(command["max_tokens"]))
+    ttft = tokens = cached = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id != f"{tag}-queued":
+                continue
+            if ttft is None and o.outputs and o.outputs[0].token_ids:
+                ttft = time.perf_counter() - added
+            if o.finished:
+                tokens, cached = list(o.outputs[0].token_ids), o.num_cached_tokens
+    after = shared_store(command["store"]).stats()
+    counters = {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, (int, float))}
+    return {"ttft_s": ttft, "tokens": tokens, "num_cached_tokens": cached, "store": counters}
+
+
 def _record_prefill_stats() -> dict[str, dict]:
     """Keep each request's PrefillStats (the scheduler's local / external split of its cached tokens),
     keyed by the request id the caller gave: `RequestOutput` carries only their sum, so the front end's
@@ -378,6 +416,8 @@ def _child(spec_json: str, reply_fd: str) -> None:
             reply(_generate(llm, command, prefill))
         elif command["op"] == "stall":
             reply(_stall(llm, command))
+        elif command["op"] == "queued":
+            reply(_queued(llm, command))
         else:
             reply({"error": f"unknown op {command['op']!r}"})
 

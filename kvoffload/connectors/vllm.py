@@ -33,6 +33,10 @@ under a save; a finished request with saves also stays (`request_finished` retur
 are reported through `finished_sending`, which keeps the engine stepping until they are durable. Pages of
 a save in flight count as present for lookups: the load that follows runs after it, in order.
 
+Prefetch (`tiered://` stores): a request that vLLM added (`on_new_request`) and did not schedule in that
+step waits in its queue; the workers promote its stored prefix from the slow tier into their memory tier
+meanwhile, on a thread of their own, within a byte budget (`prefetch`), so its load later reads memory.
+
 Keys are kvoffload's own chained block keys (never vLLM's block hashes: those depend on a per-process
 seed unless PYTHONHASHSEED is fixed), salted with the request's `cache_salt`, LoRA and multimodal ids.
 Their context names each group's page content (`spec.vllm.key_context`: state shapes and dtypes, the KV
@@ -111,7 +115,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             workers = max(int(getattr(parallel, "world_size", 1) or 1), 1)
             self.connector_scheduler = _Scheduler(self.view, self.chain, self.store_url, self.tp_size, workers,
-                                                  self.namespace, spec=config.spec, max_blocks=config.max_blocks)
+                                                  self.namespace, spec=config.spec, max_blocks=config.max_blocks,
+                                                  prefetch=config.prefetch_budget != 0)
             events = getattr(vllm_config, "kv_events_config", None)
             if events is not None and events.enable_kv_cache_events:  # vLLM drains take_events every step
                 self.connector_scheduler.enable_events(
@@ -119,7 +124,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self.connector_worker = _Worker(kv_cache_config, self.view, self.store_url,
                                             f"{model_id}#{self.model_identity}", self.tp_rank, self.tp_size,
-                                            self.namespace, dcp_size=dcp_size, share_replicas=share)
+                                            self.namespace, dcp_size=dcp_size, share_replicas=share,
+                                            prefetch_budget=config.prefetch_budget)
 
     # ------------------------------------------------------------------ scheduler side
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
@@ -129,6 +135,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def has_pending_block_frees(self) -> bool:
         assert self.connector_scheduler is not None
         return self.connector_scheduler.has_pending_block_frees()
+
+    def on_new_request(self, request: Request) -> None:
+        assert self.connector_scheduler is not None
+        self.connector_scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         assert self.connector_scheduler is not None

@@ -9,6 +9,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..paths import vllm_store_url
 from ..store import StoreSpec, TieredSpec, parse_store_url
+from ..store.url import parse_size
 
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
@@ -30,6 +31,9 @@ class ConnectorConfig:
                                     "default)", "recompute")
     max_saved_blocks: str | None = _doc("save at most this many leading blocks of each prompt (a per-request cap "
                                         "on what one request may write; default: every full block)")
+    prefetch_bytes: str | None = _doc("tiered:// only: bytes each worker may promote from the slow tier into its "
+                                      "memory tier for requests still queued (prefetch); 0 turns it off; default "
+                                      "a quarter of the memory tier")
     spec: StoreSpec = field(init=False, repr=False, compare=False)  # the store URL, parsed once
 
     def __post_init__(self):
@@ -50,9 +54,20 @@ class ConnectorConfig:
                               "scheduler sees the disk tier only, so a page waiting in memory for admission would "
                               "never be hit, hence never admitted; leave admit at 1")
         object.__setattr__(self, "spec", spec)
+        self.prefetch_budget  # noqa: B018 - a bad size is a StoreConfigError (a ConfigError) at start-up
         if self.max_saved_blocks is not None and not (self.max_saved_blocks.isdigit() and int(self.max_saved_blocks)):
             raise ConfigError("KVOffloadConnector: max_saved_blocks must be a positive whole number of blocks, got "
                               f"{self.max_saved_blocks[:40]!r}")
+
+    @property
+    def prefetch_budget(self) -> int | None:
+        """Prefetch's byte budget per worker: 0 off (also for stores without a slow tier behind memory),
+        None the default (a quarter of the memory tier)."""
+        if not isinstance(self.spec, TieredSpec):
+            return 0
+        if self.prefetch_bytes is None or self.prefetch_bytes.strip() == "0":
+            return None if self.prefetch_bytes is None else 0
+        return parse_size(self.prefetch_bytes, "prefetch_bytes")
 
     @property
     def max_blocks(self) -> int | None:

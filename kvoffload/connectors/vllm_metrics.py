@@ -18,6 +18,9 @@ COUNTERS = {
     "save_dropped": "pages the store could not take (full, failing disk)",
     "save_skipped_too_large": "pages never saved: larger than the store takes (capacity below one page)",
     "checksum_failures": "stored entries that failed verification (read as misses)",
+    "prefetched_pages": "pages promoted from the slow tier into memory for queued requests (prefetch)",
+    "prefetch_skipped": "prefetches not made: the prefetch byte budget was spent",
+    "prefetch_cancelled": "prefetches ended early: their request was scheduled or left first",
     "load_microseconds": "time spent loading",
     "save_microseconds": "time spent saving",
 }

@@ -15,7 +15,7 @@ from ..store import MemorySpec, StoreSpec, parse_store_url, shared_store
 from ..store.url import redact_url
 from .plan import hit_blocks, page
 from .vllm_events import KVEvents, medium_for
-from .vllm_shared import KVOffloadMetadata, LoadJob, SaveJob, StoredPages
+from .vllm_shared import KVOffloadMetadata, LoadJob, PrefetchJob, SaveJob, StoredPages
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -99,10 +99,14 @@ class _Scheduler:
     """The scheduler process's half: plans on `layout` (kinds only), keys requests with `chain`."""
 
     def __init__(self, layout: KindsLayout, chain: KeyChain, store_url: str, tp_size: int, workers: int,
-                 namespace: str = "vllm", *, spec: StoreSpec | None = None, max_blocks: int | None = None):
+                 namespace: str = "vllm", *, spec: StoreSpec | None = None, max_blocks: int | None = None,
+                 prefetch: bool = False):
         """`spec`: `store_url` as the connector's configuration parsed it (parsed here when absent);
-        `max_blocks`: a request's keys (hence its saves and hits) stop after this many prompt blocks."""
-        self.max_blocks = max_blocks
+        `max_blocks`: a request's keys (hence its saves and hits) stop after this many prompt blocks;
+        `prefetch`: queued requests' stored prefixes are promoted into the workers' memory tier."""
+        self.max_blocks, self.prefetch = max_blocks, prefetch
+        self._arrived: list[Request] = []  # added since the last step (on_new_request), prefetch only
+        self._prefetching: set[str] = set()  # requests with a prefetch sent to the workers, not yet ended
         self.layout, self.chain, self.tp_size, self.namespace = layout, chain, tp_size, namespace
         self.kinds = list(layout.kinds)
         self.block_size = layout.block_size
@@ -172,6 +176,34 @@ class _Scheduler:
             state.request = request
         return state
 
+    def on_new_request(self, request: Request) -> None:
+        """vLLM added a request (it may wait in the queue for many steps): a prefetch candidate."""
+        if self.prefetch:
+            self._arrived.append(request)
+
+    def _prefetch_meta(self, meta: KVOffloadMetadata, scheduled) -> None:
+        """Requests that arrived and were not scheduled in this step wait in vLLM's queue: the workers
+        promote their stored prefix into memory meanwhile (`prefetch`). A prefetch ends when its
+        request is scheduled or its load goes out (the load takes over), or when it leaves."""
+        meta.prefetch_done = [r for r in self._prefetching if r in scheduled or r not in self._requests]
+        self._prefetching.difference_update(meta.prefetch_done)
+        arrived, self._arrived = self._arrived, []
+        for request in arrived:
+            if request.request_id in scheduled or getattr(request, "is_finished", lambda: False)():
+                continue
+            state = self._state(request)
+            if state.load_failed or self._uncleared > 0:
+                continue
+            try:
+                end = hit_blocks(self.layout, state.block_keys, state.num_prompt_tokens, self._presence)
+            except Exception as exc:  # noqa: BLE001 - a broken store: no prefetch; its lookup will say more
+                log.debug("KVOffloadConnector prefetch lookup failed: %s", exc)
+                continue
+            if end > 0:
+                meta.prefetches.append(PrefetchJob(request.request_id, state.block_keys[:end], end))
+                self._prefetching.add(request.request_id)
+                self.counters["prefetches"] += 1
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         state = self._state(request)
         have = num_computed_tokens // self.block_size
@@ -224,6 +256,8 @@ class _Scheduler:
                 state.sent_saves = True
                 meta.saves.append(job)
         meta.await_saves, self._await_saves = self._await_saves, []
+        if self._arrived or self._prefetching:
+            self._prefetch_meta(meta, {*scheduler_output.num_scheduled_tokens, *(j.req_id for j in meta.loads)})
         meta.clear_store, self._clear_workers = self._resets if self._clear_workers else 0, False
         return meta
 

@@ -27,8 +27,19 @@ class SaveJob:
 
 
 @dataclass
+class PrefetchJob:
+    """A queued request's stored prefix, blocks [0, end): promote it into the workers' memory tier."""
+
+    req_id: str
+    block_keys: list[bytes]
+    end: int
+
+
+@dataclass
 class KVOffloadMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
+    prefetches: list[PrefetchJob] = field(default_factory=list)
+    prefetch_done: list[str] = field(default_factory=list)  # scheduled or gone: their prefetch ends
     saves: list[SaveJob] = field(default_factory=list)
     await_saves: list[str] = field(default_factory=list)  # finished requests to report via finished_sending
     clear_store: int = 0  # a reset's generation (reset_cache; 0: none): workers clear their own copy

@@ -14,7 +14,8 @@ from ..spec.vllm import KindsLayout, check_agreement, from_vllm
 from ..store import shared_store
 from .jobs import Jobs
 from .offloader import Offloader
-from .plan import page, writes
+from .plan import page, pages_for_load, writes
+from .prefetch import Prefetcher
 from .transfer import make_transfer
 from .vllm_metrics import COUNTERS, KVOffloadStats
 from .vllm_shared import KVOffloadMetadata, StoredPages
@@ -27,12 +28,17 @@ class _Worker:
     worker's layout in `register_kv_caches`)."""
 
     def __init__(self, kv_cache_config, view: KindsLayout, store_url: str, model_id: str, tp_rank: int,
-                 tp_size: int, namespace: str = "vllm", *, dcp_size: int = 1, share_replicas: bool = True):
+                 tp_size: int, namespace: str = "vllm", *, dcp_size: int = 1, share_replicas: bool = True,
+                 prefetch_budget: int | None = 0):
+        """`prefetch_budget`: bytes its prefetch may hold for queued requests (0: none; None: a quarter
+        of the store's memory tier)."""
         self.kv_cache_config, self.view, self.store_url, self.namespace = kv_cache_config, view, store_url, namespace
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self._dcp_size, self._share_replicas = dcp_size, share_replicas
         self.offloader: Offloader | None = None
         self.jobs: Jobs | None = None
+        self.prefetcher: Prefetcher | None = None
+        self._prefetch_budget = prefetch_budget
         self.layout = None
         self._saving: Counter[str] = Counter()  # request -> save jobs submitted and not done
         self._awaited: set[str] = set()  # finished requests the scheduler waits on
@@ -59,6 +65,10 @@ class _Worker:
         store.claim(self.namespace)
         self.offloader = Offloader(store, layout, transfer)
         self.jobs = Jobs(self.offloader, name=f"kvoffload-tp{self.tp_rank}")
+        front = getattr(store, "front", None)  # prefetch fills a memory tier in front of a slower one
+        budget = front.capacity // 4 if self._prefetch_budget is None and front is not None else self._prefetch_budget
+        if budget and front is not None:
+            self.prefetcher = Prefetcher(store, budget, name=f"kvoffload-prefetch-tp{self.tp_rank}")
         self.layout = layout
         log.info("KVOffloadConnector: %s, %d bytes stored per block", self.store_url,
                  layout.stored_bytes_per_block())
@@ -72,6 +82,10 @@ class _Worker:
             if not self.offloader.store.clear(self.namespace):
                 log.warning("KVOffloadConnector: worker %d could not clear its store", self.tp_rank)
             self._report.cleared[meta.clear_store] = 1
+        if self.prefetcher is not None:  # before the loads: a request's load takes over from its prefetch
+            self.prefetcher.done(meta.prefetch_done)
+            for job in meta.prefetches:
+                self.prefetcher.submit(job.req_id, pages_for_load(self.layout, job.block_keys, 0, job.end))
         for job in meta.loads:
             self.jobs.submit_load(job.req_id, job.block_keys, job.start, job.end, job.block_ids)
 
@@ -118,6 +132,8 @@ class _Worker:
         if self.offloader is None:
             return None
         now = dict(self.offloader.counters)
+        if self.prefetcher is not None:
+            now.update(self.prefetcher.counters)
         now["checksum_failures"] = int(self.offloader.store.stats().get("checksum_failures", 0))
         last, self._last_counters = self._last_counters, now
         delta = {k: now.get(k, 0) - last.get(k, 0) for k in COUNTERS}
@@ -125,5 +141,7 @@ class _Worker:
 
     def shutdown(self) -> None:
         """Finish the queued saves (bounded); the store is per process (shared_store) and closes with it."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         if self.jobs is not None:
             self.jobs.close()

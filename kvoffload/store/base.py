@@ -91,6 +91,13 @@ class Store(ABC):
         removed) when others did or the tier cannot clear (here: the default)."""
         return False
 
+    # -- prefetch (a queued request's prefix, read ahead of its load) ---------------------------------
+    def prefetch(self, keys: Sequence[bytes]) -> int:
+        """Move values closer ahead of a read: a tier with a faster tier in front of a slower one copies
+        the slower tier's values of `keys` into the faster one. Returns how many it moved; a
+        single-tier store has nowhere to move them (0)."""
+        return 0
+
     # -- in-place access (the pinned arena implements these without a copy) ----------------------------
     in_place: bool = False  # True when write_many / acquire hand out the tier's own (pinned) memory
 

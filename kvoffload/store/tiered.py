@@ -30,6 +30,9 @@ prefix) or put again (a recompute) is another; until then it lives in memory onl
 (`behind_not_admitted`). One-off prompts then never cost back-tier bandwidth nor evict reused
 prefixes from the back tier. At most ADMIT_TRACKED keys wait for admission (the oldest are forgotten).
 
+Prefetch (`prefetch`, a queued request's prefix): the back's values that memory lacks are promoted into
+front slots by the same readers, ahead of the request's load, which then reads memory.
+
 Reads (`read_many`, `acquire`): the front; then the writer's private copies (a copying front may have
 evicted what it leased); then the back, each hit copied into a front slot inside the back's consume
 callback (`front.write_many`, no intermediate copy) and served as such -- `acquire` leases the front
@@ -100,7 +103,7 @@ class _Pending:
 class TieredStore(Store):
     COUNTERS = Store.COUNTERS + ("memory_hits", "disk_hits", "promotions", "behind_written", "behind_written_bytes",
                                  "behind_dropped", "behind_dropped_bytes", "behind_failed", "behind_not_admitted",
-                                 "behind_admitted")
+                                 "behind_admitted", "prefetched", "prefetched_bytes")
 
     def __init__(self, front: Store, back: Store, url: str | None = None, *, write: str = "behind",
                  behind_bytes: int | None = None, behind_age: float = DEFAULT_BEHIND_AGE,
@@ -457,6 +460,24 @@ class TieredStore(Store):
         futures = [self._readers.submit(self.back.read_many, [keys[missing[j]] for j in part],
                                         lambda k, view, part=part: consume(part[k], view)) for part in parts]
         return sum(sum(future.result()) for future in futures)
+
+    def prefetch(self, keys: Sequence[bytes]) -> int:
+        """Promote the back's values of `keys` that memory lacks into memory (READERS threads), so the
+        read that follows (a queued request's load) is a memory hit; counted in `prefetched`. Values
+        too large for the front, or for which it has no room, stay in the back."""
+        keys = list(keys)
+        missing = [i for i, there in enumerate(self.front.contains_many(keys)) if not there]
+        if missing and (self._queue or self._inflight):
+            missing = [i for i in missing if i not in self._private(keys, missing)]
+        promoted: list[int] = []  # appended from reader threads (list.append is atomic)
+
+        def from_back(j: int, view: memoryview) -> None:
+            if self._promote(keys[missing[j]], view):
+                promoted.append(view.nbytes)
+
+        self._read_back(keys, missing, from_back)
+        self._count(prefetched=len(promoted), prefetched_bytes=sum(promoted))
+        return len(promoted)
 
     def release(self, leases: Iterable[Lease | None]) -> None:
         self.front.release(leases)

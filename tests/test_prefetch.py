@@ -1,0 +1,154 @@
+"""Prefetch: a queued request's stored prefix promoted from the slow tier into memory before its load
+(`Store.prefetch`, `connectors.prefetch.Prefetcher`). The vLLM scheduler's side is in
+test_vllm_scheduler_glm.py, the real engine in test_vllm_connector.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kvoffload.connectors.plan import Page
+from kvoffload.connectors.prefetch import SLICE, Prefetcher
+from kvoffload.store import open_store
+
+
+def _value(key: bytes, n: int = 64 << 10) -> bytes:
+    return np.random.default_rng(int.from_bytes(key[-4:], "little")).integers(0, 256, n, np.uint8).tobytes()
+
+
+def _tiered(tmp_path, memory="4MiB"):
+    return open_store(f"tiered://?memory={memory}&lmdb={tmp_path}/db&lmdb_capacity=64MiB&pinned=false")
+
+
+def _on_disk_only(store, keys):
+    """`keys` in the back tier only (as after a restart)."""
+    assert all(store.back.put_many([(k, _value(k)) for k in keys]))
+    assert store.front.contains_many(keys) == [False] * len(keys)
+
+
+def test_tiered_prefetch_promotes_back_values_byte_exact(tmp_path):
+    keys = [b"page-%04d" % i for i in range(12)]
+    with _tiered(tmp_path) as store:
+        _on_disk_only(store, keys)
+        store.front.put_many([(keys[0], _value(keys[0]))])  # already in memory: not read again
+        assert store.prefetch(keys) == len(keys) - 1
+        assert store.front.contains_many(keys) == [True] * len(keys)
+        stats = store.stats()
+        assert stats["prefetched"] == len(keys) - 1 and stats["prefetched_bytes"] == (len(keys) - 1) * (64 << 10)
+        got = {}
+        assert all(store.read_many(keys, lambda i, view: got.__setitem__(i, bytes(view))))
+        assert all(got[i] == _value(k) for i, k in enumerate(keys))
+        after = store.stats()
+        assert after["memory_hits"] - stats["memory_hits"] == len(keys) and after["disk_hits"] == stats["disk_hits"]
+        assert store.prefetch(keys + [b"absent"]) == 0  # nothing left to move; a missing key is no error
+
+
+def test_prefetch_beyond_the_memory_tier_keeps_its_cap(tmp_path):
+    keys = [b"page-%04d" % i for i in range(40)]  # 2.5 MiB of values into a 1 MiB memory tier
+    with _tiered(tmp_path, memory="1MiB") as store:
+        _on_disk_only(store, keys)
+        store.prefetch(keys)
+        assert store.front.stats()["bytes_used"] <= 1 << 20
+        assert sum(store.front.contains_many(keys)) <= 16
+
+
+def test_single_tier_stores_have_nothing_to_prefetch(tmp_path):
+    with open_store(f"lmdb://{tmp_path}/db?capacity=16MiB") as store:
+        store.put_many([(b"k", b"v" * 100)])
+        assert store.prefetch([b"k"]) == 0
+
+
+# -- Prefetcher ----------------------------------------------------------------------------------------
+GROUP = SimpleNamespace(name="g", used_bytes_per_block=1000)  # all a Prefetcher reads of a page's group
+
+
+def _pages(prefix: str, n: int) -> list[Page]:
+    return [Page(f"{prefix}-{i}".encode(), GROUP, i) for i in range(n)]
+
+
+class _SlowStore:
+    """Records prefetch calls; each waits until the test opens the gate."""
+
+    def __init__(self):
+        self.calls: list[list[bytes]] = []
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def prefetch(self, keys):
+        self.calls.append(list(keys))
+        self.entered.set()
+        assert self.gate.wait(10), "the test never opened the gate"
+        return len(keys)
+
+
+@pytest.fixture
+def slow():
+    store = _SlowStore()
+    yield store
+    store.gate.set()
+
+
+def test_prefetcher_promotes_every_page_in_slices(slow):
+    slow.gate.set()
+    prefetcher = Prefetcher(slow, budget=10**9)
+    try:
+        assert prefetcher.submit("r", _pages("r", 2 * SLICE + 3))
+        assert prefetcher.idle(10)
+        assert [len(c) for c in slow.calls] == [SLICE, SLICE, 3]
+        assert prefetcher.counters["prefetched_pages"] == 2 * SLICE + 3
+        assert prefetcher.charged == 1000 * (2 * SLICE + 3), "budget is held until the request is scheduled"
+        prefetcher.done(["r"])
+        assert prefetcher.charged == 0
+    finally:
+        prefetcher.close()
+
+
+def test_prefetcher_budget_skips_and_done_gives_it_back(slow):
+    slow.gate.set()
+    prefetcher = Prefetcher(slow, budget=5000)
+    try:
+        assert prefetcher.submit("a", _pages("a", 4))
+        assert not prefetcher.submit("b", _pages("b", 2)), "4000 + 2000 bytes is over a 5000-byte budget"
+        assert prefetcher.counters["prefetch_skipped"] == 1
+        prefetcher.done(["a"])
+        assert prefetcher.submit("b", _pages("b", 2))
+        assert prefetcher.idle(10)
+    finally:
+        prefetcher.close()
+
+
+def test_done_cancels_a_queued_job_and_stops_a_running_one(slow):
+    prefetcher = Prefetcher(slow, budget=10**9)
+    try:
+        prefetcher.submit("running", _pages("running", 3 * SLICE))
+        assert slow.entered.wait(10)
+        prefetcher.submit("queued", _pages("queued", 4))
+        prefetcher.done(["queued", "running"])  # both scheduled (or gone) before their prefetch ended
+        slow.gate.set()
+        assert prefetcher.idle(10)
+        assert len(slow.calls) == 1, "the running job went on after its request was scheduled"
+        assert not any(k.startswith(b"queued") for call in slow.calls for k in call)
+        assert prefetcher.counters["prefetch_cancelled"] == 2 and prefetcher.charged == 0
+    finally:
+        prefetcher.close()
+
+
+def test_a_failing_store_is_counted_and_the_thread_lives_on():
+    class Broken:
+        def prefetch(self, keys):
+            raise OSError("disk gone")
+
+    prefetcher = Prefetcher(Broken(), budget=10**9)
+    try:
+        prefetcher.submit("a", _pages("a", 2))
+        prefetcher.submit("b", _pages("b", 2))
+        deadline = time.monotonic() + 10
+        while prefetcher.counters["prefetch_errors"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert prefetcher.counters["prefetch_errors"] == 2
+    finally:
+        prefetcher.close()

@@ -37,5 +37,5 @@ def test_defaults_and_the_parsed_store(monkeypatch, tmp_path):
 
 def test_the_documented_keys_are_the_fields():
     assert set(EXTRA_CONFIG_KEYS) == {"store", "namespace", "model_id", "model_revision", "load_failure_policy",
-                                     "max_saved_blocks"}
+                                     "max_saved_blocks", "prefetch_bytes"}
     assert all(EXTRA_CONFIG_KEYS.values())

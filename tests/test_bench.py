@@ -169,3 +169,16 @@ def test_trace_benchmark_json(tmp_path):
         assert 0 < row["hit_tokens"] < row["prompt_tokens"] and row["ttft_saved_s_total"] > 0
         assert row["memory_evictions"] > 0 and row["prompt_tokens"] == twin["prompt_tokens"]
     assert {(r["admit"], bool(r["disk_capacity"])) for r in s3fifo} == {(1, False), (1, True), (2, True)}
+
+
+@pytest.mark.slow
+def test_prefetch_benchmark_json(tmp_path):
+    """Four vLLM engines; the run itself asserts equal first tokens and whole-prefix connector hits."""
+    result = _bench("prefetch", tmp_path)
+    rows = result["results"]
+    assert set(rows) == {"none", "tiered_no_prefetch", "tiered_prefetch"}
+    assert rows["none"]["cached_tokens"] == 0
+    assert rows["tiered_prefetch"]["prefetched"] > 0 and rows["tiered_prefetch"]["memory_hits"] > 0
+    assert rows["tiered_no_prefetch"]["prefetched"] == 0 and rows["tiered_no_prefetch"]["memory_hits"] == 0
+    assert all(r["ttft_ms"] >= r["after_slot_ms"] > 0 for r in rows.values())
+    assert result["raw_cold_read_GBps"] > 0 and result["prefetch_vs_no_prefetch_after_slot"] > 0

@@ -143,9 +143,18 @@ def _trace(ax, result):
     ax.set(ylabel="%", title=f"Policies on a trace of {result['requests']} requests (block {result['block_size']})")
 
 
+def _prefetch(ax, result):
+    rows = result["results"]
+    _bars(ax, [name.replace("tiered_", "tiered\n") for name in rows],
+          {"time to first token (ms)": [r["ttft_ms"] for r in rows.values()],
+           "after the slot freed (ms)": [r["after_slot_ms"] for r in rows.values()]})
+    ax.set(ylabel="ms (median)", title="A queued request, its prefix on LMDB only: with and without prefetch")
+
+
 DRAW = {"store": _store, "footprint": _footprint, "ttft": _ttft, "vllm-ttft": _vllm_ttft, "overhead": _overhead,
         "transfer": _transfer, "redis": _redis, "faults": _faults,
-        "datapath": _datapath, "stall": _stall, "trace": _trace}
+        "datapath": _datapath, "stall": _stall, "trace": _trace,
+        "prefetch": _prefetch}
 
 
 def plot(result: dict, json_path: str) -> str:

@@ -17,8 +17,8 @@ Commands (one JSON object per line on the child's stdin; one JSON reply per line
         one long prompt (one output token) joins them (`_stall`)
     {"op": "queued", "first": [ids], "first_max_tokens": n, "prompt": [ids], "max_tokens": m, "store": url}
         in-process engines only: `prompt` is added while `first` runs (with max_num_seqs=1 it waits in
-        vLLM's queue): its time to first token, tokens and cached tokens, and the deltas of the store's
-        counters over the run (`_queued`)
+        vLLM's queue): its time to first token, when `first` finished (both from adding it), its tokens
+        and cached tokens, and the deltas of the store's counters over the run (`_queued`)
 """
 
 from __future__ import annotations
@@ -246,7 +246,7 @@ def _queued(llm, command: dict) -> dict:
     """`first` is added and stepped until it has its first token; then `prompt` is added, and the engine
     stepped until both finished: the time from adding `prompt` to its first token, its tokens and
     cached tokens, and the store's counters (`shared_store(command["store"])`, the worker's own store
-    in an in-process engine) as deltas over those steps."""
+    in an in-process engine; none without "store") as deltas over those steps."""
     from vllm import SamplingParams
 
     from kvoffload.store import shared_store
@@ -259,21 +259,25 @@ def _queued(llm, command: dict) -> dict:
     engine.add_request(f"{tag}-first", {"prompt_token_ids": command["first"]}, params(command["first_max_tokens"]))
     while not any(o.outputs and o.outputs[0].token_ids for o in engine.step()):
         pass
-    before = shared_store(command["store"]).stats()
+    stats = (lambda: shared_store(command["store"]).stats()) if command.get("store") else dict
+    before = stats()
     added = time.perf_counter()
     engine.add_request(f"{tag}-queued", {"prompt_token_ids": command["prompt"]}, params(command["max_tokens"]))
-    ttft = tokens = cached = None
+    ttft = tokens = cached = first_done = None
     while engine.has_unfinished_requests():
         for o in engine.step():
+            if o.request_id == f"{tag}-first" and o.finished:
+                first_done = time.perf_counter() - added
             if o.request_id != f"{tag}-queued":
                 continue
             if ttft is None and o.outputs and o.outputs[0].token_ids:
                 ttft = time.perf_counter() - added
             if o.finished:
                 tokens, cached = list(o.outputs[0].token_ids), o.num_cached_tokens
-    after = shared_store(command["store"]).stats()
+    after = stats()
     counters = {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, (int, float))}
-    return {"ttft_s": ttft, "tokens": tokens, "num_cached_tokens": cached, "store": counters}
+    return {"ttft_s": ttft, "first_finished_s": first_done, "tokens": tokens, "num_cached_tokens": cached,
+            "store": counters}
 
 
 def _record_prefill_stats() -> dict[str, dict]:

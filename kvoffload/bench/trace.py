@@ -17,6 +17,12 @@ change it with your own measurement) minus the time to move the hit bytes from m
 machine, measured in the same run, page cache dropped for the file). Baselines in the same run: no
 offload, memory only, and store-everything LRU (`admit=1`), each tier set-up with a roomy disk and with
 one under pressure. The memory tier's eviction policy is LRU, and S3-FIFO (`evict=s3fifo`) beside it.
+
+Queueing and prefetch: one modelled engine serves requests one at a time in arrival order (prefill of
+the tokens it did not hit, plus moving the hit bytes); a request arriving while it is busy waits, and
+its time to first token (`ttft_s_mean`) includes the wait. A prefetch policy promotes, during that wait,
+the disk-only pages of the request's stored prefix into memory, as many as the wait at disk speed
+allows (the vLLM connector's prefetch), so its load reads them from memory.
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ PREFILL_TOKENS_PER_S = 8000.0  # assumption: GLM-5.3-Flash prefill on one H200; 
 LINK_GBPS = 52.5  # host -> device through the memory tier, H200 machine (BENCHMARKS.md, bench datapath)
 MEMORY_CAPACITY = 64 << 30  # model bytes of host memory for KV (one GPU's share)
 DISK_CAPACITIES = (1 << 40, 256 << 30)  # model bytes of local disk for KV: roomy, then under pressure
-# (name, disk capacity or None: memory only, admit, memory eviction); "no offload" stores nothing
+# (name, disk capacity or None: memory only, admit, memory eviction[, per-request cap, prefetch]);
+# "no offload" stores nothing
 CAP_BLOCKS = 8  # the per-request cap tried (vLLM connector: max_saved_blocks)
 POLICIES = (("no offload", None, None, "lru"), ("memory only, LRU", None, 1, "lru"),
             ("memory only, S3-FIFO", None, 1, "s3fifo"),
@@ -46,6 +53,8 @@ POLICIES = (("no offload", None, None, "lru"), ("memory only, LRU", None, 1, "lr
                f"{', S3-FIFO memory' if e == 's3fifo' else ''}", d, a, e)
               for d in DISK_CAPACITIES for a in (1, 2, 3) for e in ("lru", "s3fifo") if e == "lru" or a < 3),
             *((f"memory + disk {d >> 30} GiB, store everything, cap {CAP_BLOCKS} blocks", d, 1, "lru", CAP_BLOCKS)
+              for d in DISK_CAPACITIES),
+            *((f"memory + disk {d >> 30} GiB, store everything, prefetch", d, 1, "lru", None, True)
               for d in DISK_CAPACITIES))
 
 
@@ -116,15 +125,17 @@ def _raw_disk_read_gbps(tmp: str, nbytes: int) -> float:
 class _Replay:
     """One policy's run over the trace: a fresh store, counters at model size."""
 
-    def __init__(self, layout, disk: int | None, admit: int | None, evict: str, directory: str,
-                 cap: int | None = None):
+    def __init__(self, layout, disk: int | None, admit: int | None, evict: str, directory: str, disk_gbps: float,
+                 cap: int | None = None, prefetch: bool = False):
         self.cap = cap  # a request's keys stop after this many blocks: nothing beyond is saved or hit
+        self.prefetch, self.disk_gbps, self.free_at = prefetch, disk_gbps, 0.0
         self.layout, self.admit, self.disk, self.evict = layout, admit, disk, evict
         self.size = {g.name: -(-g.used_bytes_per_block // SCALE) for g in layout.cacheable_groups}
         self.payload = bytes(max(self.size.values()))
         self.totals = dict.fromkeys(("prompt_tokens", "hit_tokens", "memory_read_bytes", "disk_read_bytes",
                                      "memory_written_bytes"), 0)
-        self.per_request: list[tuple[int, int, int]] = []  # (hit tokens, memory bytes, disk bytes)
+        # (hit tokens, memory bytes, disk bytes, queue wait s, time to first token s)
+        self.per_request: list[tuple[int, int, int, float, float]] = []
         self.store = self.front = None
         if admit is not None and disk is None:
             self.store = self.front = open_store(f"memory://?capacity={MEMORY_CAPACITY // SCALE}&pinned=false"
@@ -138,13 +149,19 @@ class _Replay:
         """Model bytes as the stores count them: stored bytes times SCALE (over by < SCALE per page)."""
         return sum(self.size[p.group.name] for p in pages) * SCALE
 
-    def request(self, chain: KeyChain, tokens: np.ndarray) -> None:
-        self.totals["prompt_tokens"] += len(tokens)
+    def request(self, all_keys: list[bytes], num_tokens: int, arrival: float) -> None:
+        """One request arriving at `arrival`: it waits while the modelled engine is busy (one request
+        at a time: its prefill of what it did not hit, plus moving what it hit), prefetching meanwhile
+        (a prefetch policy), then looks up, reads and saves."""
+        self.totals["prompt_tokens"] += num_tokens
+        start = max(arrival, self.free_at)
         if self.store is None:
-            self.per_request.append((0, 0, 0))
+            self._served(arrival, start, num_tokens, 0, 0, 0)
             return
-        keys = chain.keys(tokens)[:self.cap]
-        hit = hit_blocks(self.layout, keys, len(tokens), self.store.contains_many)
+        keys = all_keys[:self.cap]
+        if self.prefetch and start > arrival:
+            self._prefetch(keys, num_tokens, start - arrival)
+        hit = hit_blocks(self.layout, keys, num_tokens, self.store.contains_many)
         memory = disk = 0
         if hit:
             pages = pages_for_load(self.layout, keys, 0, hit)
@@ -153,7 +170,7 @@ class _Replay:
             disk = self._model_bytes(pages) - memory
             served = self.store.read_many([p.key for p in pages], lambda i, view: None)
             assert all(served), "a page present a moment ago was not served"
-        self.per_request.append((hit * self.layout.block_size, memory, disk))
+        self._served(arrival, start, num_tokens, hit * self.layout.block_size, memory, disk)
         self.totals["hit_tokens"] += hit * self.layout.block_size
         self.totals["memory_read_bytes"] += memory
         self.totals["disk_read_bytes"] += disk
@@ -165,18 +182,46 @@ class _Replay:
         if self.disk is not None:
             self.store.flush()  # the trace's think times are longer than any write-behind delay
 
-    def result(self, name: str, disk_gbps: float) -> dict:
-        saved = [hit / PREFILL_TOKENS_PER_S - memory / (LINK_GBPS * 1e9) - disk / (disk_gbps * 1e9)
-                 for hit, memory, disk in self.per_request]
+    def _served(self, arrival: float, start: float, num_tokens: int, hit_tokens: int, memory: int, disk: int) -> None:
+        move = memory / (LINK_GBPS * 1e9) + disk / (self.disk_gbps * 1e9)
+        self.free_at = start + (num_tokens - hit_tokens) / PREFILL_TOKENS_PER_S + move
+        self.per_request.append((hit_tokens, memory, disk, start - arrival, self.free_at - arrival))
+
+    def _prefetch(self, keys: list[bytes], num_tokens: int, wait: float) -> None:
+        """What the connector's prefetch does for a queued request: the stored prefix's pages that only
+        the disk holds, promoted into memory in order, as far as the wait at disk speed (and the
+        prefetch budget, a quarter of memory) allows."""
+        end = hit_blocks(self.layout, keys, num_tokens, self.store.contains_many)
+        pages = pages_for_load(self.layout, keys, 0, end)
+        budget = min(wait * self.disk_gbps * 1e9, MEMORY_CAPACITY / 4)
+        chosen = []
+        for p, there in zip(pages, self.front.contains_many([p.key for p in pages])):
+            cost = self.size[p.group.name] * SCALE
+            if there:
+                continue
+            if cost > budget:
+                break
+            budget -= cost
+            chosen.append(p.key)
+        self.store.prefetch(chosen)
+
+    def result(self, name: str) -> dict:
+        saved = [hit / PREFILL_TOKENS_PER_S - memory / (LINK_GBPS * 1e9) - disk / (self.disk_gbps * 1e9)
+                 for hit, memory, disk, _, _ in self.per_request]
+        waits = [wait for *_, wait, _ in self.per_request]
         stats = self.store.stats() if self.store is not None else {}
         row = {"policy": name, "admit": self.admit, "disk_capacity": self.disk, "evict": self.evict,
-               "max_saved_blocks": self.cap, **self.totals,
+               "max_saved_blocks": self.cap, "prefetch": self.prefetch, **self.totals,
                "hit_rate_tokens": round(self.totals["hit_tokens"] / self.totals["prompt_tokens"], 4),
                "disk_written_bytes": int(stats.get("behind_written_bytes", 0)) * SCALE,
                # a request's pages beyond behind_bytes (half the memory tier) stay in memory only
                "disk_dropped_bytes": int(stats.get("behind_dropped_bytes", 0)) * SCALE,
                "disk_evictions": int(stats.get("disk_evictions", 0)) if self.disk else 0,
                "memory_evictions": int(stats.get("memory_evictions" if self.disk else "evictions", 0)),
+               "prefetched_bytes": int(stats.get("prefetched_bytes", 0)) * SCALE,
+               "queued_requests": sum(1 for wait in waits if wait > 0),
+               "queue_wait_s_mean": round(sum(waits) / len(waits), 3),
+               "ttft_s_mean": round(sum(ttft for *_, ttft in self.per_request) / len(self.per_request), 3),
                "ttft_saved_s_total": round(sum(saved), 2),
                "ttft_saved_s_mean": round(sum(saved) / len(saved), 3)}
         if self.store is not None:
@@ -197,17 +242,19 @@ def run(quick: bool = False, progress=None, seed: int = 0) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvoffload-trace-") as tmp:
         disk_gbps = _raw_disk_read_gbps(tmp, (64 << 20) if quick else (1 << 30))
         say(f"[bench trace] raw sequential disk read here: {disk_gbps:.2f} GB/s")
-        for n, (name, disk, admit, evict, *cap) in enumerate(POLICIES):
-            replay = _Replay(layout, disk, admit, evict, os.path.join(tmp, f"store-{n}"), *cap)
+        keys = [chain.keys(request.tokens) for request in trace]  # once: every policy replays the same keys
+        for n, (name, disk, admit, evict, *extra) in enumerate(POLICIES):
+            replay = _Replay(layout, disk, admit, evict, os.path.join(tmp, f"store-{n}"), disk_gbps, *extra)
             started = time.perf_counter()
             for i, request in enumerate(trace):
-                replay.request(chain, request.tokens)
+                replay.request(keys[i], len(request.tokens), request.arrival)
                 if (i + 1) % 100 == 0:
                     say(f"[bench trace] {name}: {i + 1}/{len(trace)} requests")
-            rows.append(replay.result(name, disk_gbps))
+            rows.append(replay.result(name))
             row = rows[-1]
             say(f"[bench trace] {name}: hit rate {row['hit_rate_tokens']:.1%}, disk written "
-                f"{row['disk_written_bytes'] / 1e12:.2f} TB, TTFT saved {row['ttft_saved_s_mean']:.2f} s per request "
+                f"{row['disk_written_bytes'] / 1e12:.2f} TB, TTFT saved {row['ttft_saved_s_mean']:.2f} s per request, "
+                f"TTFT {row['ttft_s_mean']:.2f} s with queueing "
                 f"({time.perf_counter() - started:.0f} s)")
     return {"benchmark": "trace", "quick": quick, "date": time.strftime("%Y-%m-%d"), "machine": machine(),
             "seed": seed, "requests": len(trace), "by_kind": kinds, "block_size": layout.block_size,

@@ -168,6 +168,16 @@ def test_trace_benchmark_json(tmp_path):
         assert twin["evict"] == "lru" and (twin["admit"], twin["disk_capacity"]) == (row["admit"], row["disk_capacity"])
         assert 0 < row["hit_tokens"] < row["prompt_tokens"] and row["ttft_saved_s_total"] > 0
         assert row["memory_evictions"] > 0 and row["prompt_tokens"] == twin["prompt_tokens"]
+    # the queue model: time to first token includes the wait; hits shorten the queue for everyone
+    for row in rows.values():
+        assert row["ttft_s_mean"] >= row["queue_wait_s_mean"] >= 0 and row["queued_requests"] <= result["requests"]
+        assert row["prefetched_bytes"] == 0 or row["prefetch"]
+    assert rows["no offload"]["ttft_s_mean"] > max(r["ttft_s_mean"] for r in everything)
+    prefetching = [r for r in rows.values() if r["prefetch"]]
+    assert len(prefetching) == 2
+    roomy = max(prefetching, key=lambda r: r["disk_capacity"])  # nothing evicted from disk: prefetch moves
+    twin = rows[roomy["policy"].removesuffix(", prefetch")]  # pages between tiers, what is stored and hit stays
+    assert (roomy["hit_tokens"], roomy["disk_written_bytes"]) == (twin["hit_tokens"], twin["disk_written_bytes"])
     assert {(r["admit"], bool(r["disk_capacity"])) for r in s3fifo} == {(1, False), (1, True), (2, True)}
 
 

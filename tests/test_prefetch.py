@@ -152,3 +152,76 @@ def test_a_failing_store_is_counted_and_the_thread_lives_on():
         assert prefetcher.counters["prefetch_errors"] == 2
     finally:
         prefetcher.close()
+
+
+WATCHDOG_S = 60.0
+
+
+def test_prefetch_beside_loads_saves_and_evictions_stays_byte_exact(tmp_path):
+    """A Prefetcher promoting (and being cancelled) while threads read, lease and write a tiered store
+    whose memory tier keeps evicting: every value served is byte-exact, memory never exceeds its cap,
+    and no thread stalls (watchdog). Bounded: 3 s or 3000 operations per thread."""
+    keys = [b"stress-%04d" % i for i in range(120)]  # 7.5 MiB of values through a 2 MiB memory tier
+    with _tiered(tmp_path, memory="2MiB") as store:
+        _on_disk_only(store, keys[:60])
+        prefetcher = Prefetcher(store, budget=1 << 20)
+        errors: list[str] = []
+        progress = {name: 0 for name in ("submit", "read", "lease", "write")}
+        deadline = time.monotonic() + 3.0
+
+        def check(key: bytes, view) -> None:
+            if bytes(view) != _value(key):
+                errors.append(f"wrong bytes for {key!r}")
+
+        def loop(name, step):
+            try:
+                local = np.random.default_rng(list(progress).index(name))
+                while time.monotonic() < deadline and progress[name] < 3000 and not errors:
+                    step(local)
+                    progress[name] += 1
+            except Exception as exc:  # noqa: BLE001 - reported by the test
+                errors.append(f"{name}: {exc!r}")
+
+        def submit(local):
+            picked = [keys[i] for i in local.choice(len(keys), 8, replace=False)]
+            req = f"r{progress['submit']}"
+            prefetcher.submit(req, [Page(k, SimpleNamespace(used_bytes_per_block=64 << 10), i)
+                                    for i, k in enumerate(picked)])
+            if local.random() < 0.5:
+                prefetcher.done([req])
+            elif progress["submit"] > 4:
+                prefetcher.done([f"r{progress['submit'] - 4}"])
+
+        def read(local):
+            picked = [keys[i] for i in local.choice(len(keys), 6, replace=False)]
+            store.read_many(picked, lambda i, view: check(picked[i], view))
+
+        def lease(local):
+            picked = [keys[i] for i in local.choice(len(keys), 4, replace=False)]
+            leases = store.acquire(picked)
+            for key, lease in zip(picked, leases):
+                if lease is not None:
+                    check(key, lease.view)
+            store.release(leases)
+
+        def write(local):
+            picked = [keys[i] for i in local.choice(len(keys), 3, replace=False)]
+            store.put_many([(k, _value(k)) for k in picked])
+            if store.front.stats()["bytes_used"] > 2 << 20:
+                errors.append("the memory tier went over its capacity")
+
+        threads = [threading.Thread(target=loop, args=(name, fn), daemon=True)
+                   for name, fn in (("submit", submit), ("read", read), ("lease", lease), ("write", write))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=WATCHDOG_S)
+            if thread.is_alive():
+                pytest.fail(f"a thread stalled for {WATCHDOG_S:.0f} s (deadlock?); progress {progress}")
+        prefetcher.done([f"r{i}" for i in range(progress["submit"] + 1)])
+        assert prefetcher.idle(WATCHDOG_S), "the prefetch thread stalled"
+        prefetcher.close()
+        assert not errors, errors[:5]
+        assert all(progress.values()), progress
+        assert prefetcher.charged == 0
+        assert store.stats()["prefetched"] > 0

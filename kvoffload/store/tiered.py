@@ -45,7 +45,8 @@ operator's reset: no batch is in flight then and none can start), never on the w
 writer commits without it, and a delete waits for the batch holding its key on the condition, not on a
 lock. Order: `_lock`, then the front's or the back's own locks; no thread holding a tier's lock waits
 for `_lock` (the writer takes it only after `back.put_many` returns; the admission count `_uses` is
-guarded by `_lock` alone).
+guarded by `_lock` alone). The eviction listeners (`_front_evicted`) take `_lock` only once the tier that
+evicted has released its own locks.
 """
 
 from __future__ import annotations

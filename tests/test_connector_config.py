@@ -13,7 +13,7 @@ from kvoffload.store import LMDBSpec, MemorySpec, StoreConfigError
     ({"load_failure_policy": "sometimes"}, ConfigError, "load_failure_policy must be 'recompute' or 'fail'"),
     ({"store": "lmdb://"}, StoreConfigError, "needs an absolute directory"),
     ({"store": "redis://h:1/0?timeout=soon"}, StoreConfigError, "timeout="),
-    ({"store": "tiered://?lmdb=/d&admit=2"}, ConfigError, "admit= above 1 is not supported under vLLM"),
+    ({"store": "tiered://?lmdb=/d&write=through&admit=2"}, StoreConfigError, "admit= above 1 needs write=behind"),
     ({"namespace": 7}, ConfigError, "namespace must be a string"),
     ({"store": ["lmdb:///d"]}, ConfigError, "store must be a string"),
 ])
@@ -33,6 +33,8 @@ def test_defaults_and_the_parsed_store(monkeypatch, tmp_path):
     config = ConnectorConfig.from_extra({"store": "memory://?capacity=1MiB", "namespace": "a", "model_revision": "r1",
                                          "load_failure_policy": "fail"})
     assert config.spec == MemorySpec(1 << 20) and config.namespace == "a" and config.model_revision == "r1"
+    config = ConnectorConfig.from_extra({"store": "tiered://?memory=1MiB&lmdb=/d&admit=2"})  # its memory: mirrored
+    assert config.spec.admit == 2 and config.spec.memory == MemorySpec(1 << 20)
 
 
 def test_the_documented_keys_are_the_fields():

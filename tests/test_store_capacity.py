@@ -1,4 +1,5 @@
-"""Capacity is a hard cap on stored bytes, enforced least-recently-used first."""
+"""Capacity is a hard cap on stored bytes, enforced least-recently-used first; a watcher hears exactly
+which keys the store evicted."""
 
 import numpy as np
 import pytest
@@ -86,3 +87,65 @@ def test_lmdb_capacity_survives_restart(tmp_path):
         assert store.stats()["bytes_used"] <= CAP
         assert store.get(b"r2-19") == b"v" * (CAP // 8)  # the newest survive
         assert store.get(b"r0-0") is None
+
+
+def test_a_watcher_hears_exactly_the_keys_that_left_the_store(small_store):
+    """`watch_evictions`: after every write, the keys reported are exactly the keys written that the store
+    no longer holds (a tiered store: in neither tier, so a value evicted from memory but on disk is still
+    held); nothing once unwatched."""
+    heard: list[bytes] = []
+    small_store.watch_evictions(heard.extend)
+    rng = np.random.default_rng(3)
+    written, gone = set(), set()
+    for i in range(150):
+        batch = [(b"k%d" % k, bytes(int(rng.integers(1, CAP // 8)))) for k in rng.choice(60, 1 + i % 3, replace=False)]
+        assert all(small_store.put_many(batch))
+        _settle(small_store)
+        if i % 5 == 0:  # reads refresh recency, and promote a disk hit into memory
+            small_store.get(b"k%d" % int(rng.integers(0, 60)))
+        written.update(k for k, _ in batch)
+        gone.difference_update(k for k, _ in batch)
+        gone.update(heard)
+        heard.clear()
+        assert gone == {k for k in written if not small_store.contains(k)}, i
+    assert len(gone) > 10
+    small_store.watch_evictions(None)
+    for i in range(20):
+        assert small_store.put(b"late%d" % i, bytes(CAP // 8))
+        _settle(small_store)
+    assert heard == [] and not small_store.contains(b"late0")
+
+
+def test_lmdb_reports_evictions_not_deletes_nor_keys_the_batch_writes_again(tmp_path):
+    size = CAP // 8  # five entries fit (with their pages and index records)
+    with open_store(f"lmdb://{tmp_path}/db?capacity={CAP}") as store:
+        heard: list[list[bytes]] = []
+        store.watch_evictions(heard.append)
+        for i in range(5):
+            assert store.put(b"k%d" % i, b"v" * size)
+        assert store.delete(b"k4") and heard == []  # a delete is no eviction
+        assert store.get(b"k0") is not None  # k0 is now more recent than k1
+        assert store.put_many([(b"k5", b"v" * size), (b"k6", b"v" * size)]) == [True, True]
+        assert heard == [[b"k1"]]
+        # LRU order k2 k3 k0 k5 k6: k7 evicts k2, which the batch writes again, evicting k3
+        assert store.put_many([(b"k7", b"v" * size), (b"k2", b"w" * size)]) == [True, True]
+        assert heard == [[b"k1"], [b"k3"]] and store.get(b"k2") == b"w" * size
+        assert store.stats()["evictions"] == 3
+
+
+def test_tiered_reports_a_key_only_once_neither_tier_holds_it(tmp_path):
+    """Memory for 8 values in front of LMDB for 5: LMDB evicts values memory still holds (not reported),
+    then memory evicts the oldest of them (reported)."""
+    size = CAP // 8
+    with open_store(f"tiered://?memory={8 * size}&lmdb={tmp_path}/t&lmdb_capacity={CAP}") as store:
+        heard: list[bytes] = []
+        store.watch_evictions(heard.extend)
+        for i in range(8):
+            assert store.put(b"k%d" % i, b"v" * size)
+            _settle(store)
+        assert store.back.contains_many([b"k0", b"k1", b"k2", b"k3"]) == [False, False, False, True]
+        assert heard == [] and all(store.contains_many([b"k%d" % i for i in range(8)]))
+        assert store.put(b"k8", b"v" * size)
+        _settle(store)
+        assert heard == [b"k0"] and not store.contains(b"k0")  # LMDB's k3 went too, still in memory
+        assert store.contains(b"k3") and not store.back.contains(b"k3")

@@ -69,6 +69,19 @@ def test_qwen3_next_hybrid_cold_reset_warm(qwen_dir, tmp_path, tier):
     assert warm[1]["tokens"] == cold[1]["tokens"]
 
 
+def test_tiered_admission_writes_to_disk_on_the_second_use(llama_dir, tmp_path):
+    """tiered:// admit=2: a saved page waits in the worker's memory tier for its second use. The repeated
+    prompt is hit there (the scheduler mirrors that tier) with the cold run's tokens, and that hit admits
+    its pages to LMDB; the prompt used once never reaches LMDB."""
+    from kvoffload.store.lmdb_store import read_stats
+
+    url = f"tiered://?memory=128MiB&lmdb={tmp_path}/store&lmdb_capacity=1GiB&admit=2"
+    cold, warm = vh.run_generations(llama_dir, connector(url), [[PROMPT_A, PROMPT_B], [PROMPT_A]], dtype="float32",
+                                    block_size=BLOCK)
+    _assert_served(cold[:1], warm, [64])
+    assert read_stats(f"{tmp_path}/store")["entries"] == 2  # PROMPT_A's 2 blocks, not PROMPT_B's 3
+
+
 @pytest.mark.parametrize("model", ["llama", "qwen3_next"])
 def test_lmdb_across_an_engine_restart(llama_dir, qwen_dir, tmp_path, model):
     directory, dtype, prompts = ((llama_dir, "float32", [PROMPT_A, PROMPT_B]) if model == "llama"

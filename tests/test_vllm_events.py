@@ -1,6 +1,7 @@
 """KV cache events (`kvoffload.connectors.vllm_events`) through vLLM's real Scheduler on the GLM spec stack:
 the batches vLLM's publisher receives carry BlockStored for the blocks the store holds (vLLM's hashes,
-chained by parent), BlockRemoved for pages a load found missing and on reset; nothing when events are off."""
+chained by parent), BlockRemoved for pages a load found missing, pages evicted (from the scheduler's
+mirror, or by LMDB in the worker) and on reset; nothing when events are off."""
 
 from __future__ import annotations
 
@@ -17,28 +18,40 @@ from kvoffload.spec import GroupKind  # noqa: E402
 from kvoffload.spec.vllm import group_name  # noqa: E402
 
 
-def _engine(tmp_path, events: bool, memory: str | None = None):
-    """The GLM harness with the worker's writes simulated: into LMDB, or (`memory`: a memory:// URL)
-    reported to the scheduler's mirror as `StoredPages.added`, 100 bytes a page, with the jobs."""
+def _engine(tmp_path, events: bool, memory: str | None = None, capacity: str = "256MiB", worker: bool = False):
+    """The GLM harness with the worker's writes simulated: into LMDB (of `capacity`), or (`memory`: a URL
+    whose memory tier the scheduler mirrors, memory:// or tiered:// with admit > 1) reported to the
+    scheduler's mirror as `StoredPages.added`, 100 bytes a page, with the jobs. `worker`: a real worker
+    side on the LMDB store too (`engine.worker`), whose report joins the step's, as vLLM aggregates the
+    workers' (it hears the store's evictions when events are enabled)."""
     from vllm.config.kv_events import KVEventsConfig
 
     from kvoffload.connectors.vllm import StoredPages
     from kvoffload.store import shared_store
 
-    vc, worker_cfg = _glm_vllm_config(BLOCK, memory or f"lmdb://{tmp_path}/store?capacity=256MiB")
+    url = memory or f"lmdb://{tmp_path}/store?capacity={capacity}"
+    vc, worker_cfg = _glm_vllm_config(BLOCK, url)
     if events:
         vc.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     engine = _Engine(vc, worker_cfg)
+    engine.worker = None
+    if worker:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        from kvoffload.connectors.vllm import KVOffloadConnector
+        from test_vllm_scheduler_glm import _glm_kv_caches
+
+        engine.worker = KVOffloadConnector(vc, KVConnectorRole.WORKER, worker_cfg)
+        engine.worker.register_kv_caches(_glm_kv_caches(worker_cfg))  # reopens the store with its fingerprint
     kinds = engine.connector.kinds
-    store = None if memory else shared_store(f"lmdb://{tmp_path}/store?capacity=256MiB")
     build = engine.scheduler._build_kv_connector_meta
     written: list[bytes] = []
 
     def build_and_write(connector, scheduler_output):  # the worker's part: the job's pages land in the store
         meta = build(connector, scheduler_output)
         written.extend(page_key(key, group_name(g, kinds[g])) for job in meta.saves for key, g, _, _ in job.pages)
-        if store is not None:
-            assert all(store.put_many([(key, b"page") for key in written]))
+        if not memory:  # asked for at each use, as the scheduler does
+            assert all(shared_store(url).put_many([(key, b"page") for key in written]))
             written.clear()
         return meta
 
@@ -50,6 +63,8 @@ def _engine(tmp_path, events: bool, memory: str | None = None):
         if isinstance(getattr(output, "kv_connector_worker_meta", None), StoredPages):
             output.kv_connector_worker_meta.added.update((key, 100) for key in written)
             written.clear()
+            if engine.worker is not None and (more := engine.worker.build_connector_worker_meta()) is not None:
+                output.kv_connector_worker_meta = output.kv_connector_worker_meta.aggregate(more)
         update(output)
 
     scheduler.update_connector_output = update_with_added
@@ -119,6 +134,70 @@ def test_memory_mirror_evictions_are_published_as_removed(tmp_path):
     events = [(type(e).__name__, e.block_hashes, e.medium) for b in batches for e in b.events if e.medium == "CPU"]
     assert events == [("BlockStored", [hashes[0]], "CPU"), ("BlockStored", [hashes[1]], "CPU"),
                       ("BlockRemoved", [hashes[0]], "CPU"), ("BlockStored", [hashes[2]], "CPU")]
+
+
+def test_tiered_memory_evictions_are_removed_unless_on_disk(tmp_path):
+    """tiered:// with admit=2 (medium STORAGE): the scheduler mirrors the workers' memory tier, as for
+    memory:// above; a page that tier evicts is gone unless the disk tier holds it."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as vllm_hash
+
+    from kvoffload.connectors.vllm import StoredPages
+    from kvoffload.store import shared_store
+
+    url = f"tiered://?memory=1000&lmdb={tmp_path}/db&lmdb_capacity=1MiB&admit=2"
+    engine, batches = _engine(tmp_path, events=True, memory=url)
+    request = engine.add("r", _prompt(4))
+    engine.run()
+    hashes = [vllm_hash(h) for h in request.block_hashes]
+    events = [(type(e).__name__, e.block_hashes) for b in batches for e in b.events if e.medium == "STORAGE"]
+    assert events == [("BlockStored", [hashes[0]]), ("BlockStored", [hashes[1]]), ("BlockRemoved", [hashes[0]]),
+                      ("BlockStored", [hashes[2]])]
+    kinds = engine.connector.kinds
+    block_1 = [page_key(key, group_name(g, kinds[g])) for step in engine.steps for job in step["meta"].saves
+               for key, g, index, _ in job.pages if index == 1]
+    assert all(shared_store(url).back.put_many([(key, b"page") for key in block_1]))  # admitted: on disk
+    scheduler = engine.connector.connector_scheduler
+    scheduler.update_connector_output(SimpleNamespace(  # 10 more pages: the mirror lets blocks 1 and 2 go
+        kv_connector_worker_meta=StoredPages(added={b"other%d" % i: 100 for i in range(10)}), failed_recving=None))
+    assert [(type(e).__name__, e.block_hashes) for e in engine.connector.take_events()] == [
+        ("BlockRemoved", [hashes[2]])]
+
+
+@pytest.mark.parametrize("events", [True, False])
+def test_lmdb_evictions_are_published_as_removed(tmp_path, events):
+    """LMDB evicts in the process that writes it: the worker hears it (`Store.watch_evictions`), reports the
+    keys (`StoredPages.evicted`) and the scheduler removes the blocks they broke. A 64 KiB store holds 14
+    pages of 4 bytes (a block has 4: 3 KDA checkpoints, 1 MLA page): the second prompt's 12 pages evict
+    the first prompt's oldest. With events off no worker collects evicted keys."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as vllm_hash
+
+    from kvoffload.store import shared_store
+
+    engine, batches = _engine(tmp_path, events=events, capacity="64KiB", worker=True)
+    try:
+        first = engine.add("a", _prompt(1))
+        engine.run()
+        engine.add("b", _prompt(2))
+        engine.run()
+        kinds = engine.connector.kinds
+        pages = [(page_key(key, group_name(g, kinds[g])), index) for step in engine.steps
+                 for job in step["meta"].saves if job.req_id == "a" for key, g, index, _ in job.pages]
+        store = shared_store(f"lmdb://{tmp_path}/store?capacity=64KiB")
+        assert store.stats()["evictions"] > 0
+        there = dict(zip([key for key, _ in pages], store.contains_many([key for key, _ in pages])))
+        broken = {vllm_hash(first.block_hashes[index]) for key, index in pages if not there[key]}
+        assert broken  # blocks of "a" with an evicted page
+        removed = [h for e in _ours(batches, "BlockRemoved") for h in e.block_hashes]
+        if not events:
+            assert removed == [] and store._on_evict is None  # nobody listens
+            return
+        assert sorted(removed) == sorted(broken)  # once each, and only those
+        stored = [h for e in _ours(batches, "BlockStored") for h in e.block_hashes]
+        assert len(stored) == 6 and {vllm_hash(h) for h in first.block_hashes[:3]} <= set(stored)
+    finally:
+        engine.worker.shutdown()
 
 
 def test_a_physical_block_carries_each_of_vllms_finer_hashes(tmp_path):

@@ -480,13 +480,14 @@ def test_failed_load_under_fail_policy_fails_the_request_not_the_engine(glm_runs
 
 # -- start-up errors: clear, at construction, in either role --------------------------------------------
 
-def _connector(tmp_path, role_name="SCHEDULER", prefix_caching=True, **extra):
+def _connector(tmp_path, role_name="SCHEDULER", prefix_caching=True, tp=1, **extra):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvoffload.connectors.vllm import KVOffloadConnector
 
     vllm_config, worker_cfg = _glm_vllm_config(0, f"lmdb://{tmp_path}/store?capacity=256MiB", **extra)
     vllm_config.cache_config.enable_prefix_caching = prefix_caching
+    vllm_config.parallel_config.tensor_parallel_size = tp  # the MLA latent is then shared by the ranks
     return KVOffloadConnector(vllm_config, getattr(KVConnectorRole, role_name), worker_cfg)
 
 
@@ -502,8 +503,8 @@ def test_startup_errors_are_clear(tmp_path):
         _connector(tmp_path, load_failure_policy="sometimes")
     with pytest.raises(ConfigError, match="must be absolute"):
         _connector(tmp_path, store="lmdb://relative/dir")
-    with pytest.raises(ConfigError, match="admit= above 1 is not supported under vLLM"):
-        _connector(tmp_path, store=f"tiered://?memory=64MiB&lmdb={tmp_path}/db&lmdb_capacity=64MiB&admit=2")
+    with pytest.raises(ConfigError, match="admit= above 1 is not supported with tensor parallelism"):
+        _connector(tmp_path, tp=2, store=f"tiered://?memory=64MiB&lmdb={tmp_path}/db&lmdb_capacity=64MiB&admit=2")
     with pytest.raises(ConfigError, match="weights .* set kv_connector_extra_config model_revision"):
         _connector(tmp_path, model_revision=None)  # the stub model is neither a directory nor in the hub cache
 
@@ -758,3 +759,42 @@ def test_prefetch_is_off_without_a_memory_tier_or_when_asked(tmp_path):
     with pytest.raises(ConfigError, match="prefetch_bytes"):
         ConnectorConfig(store=tiered, prefetch_bytes="lots")
     assert not _connector(tmp_path).connector_scheduler.prefetch  # lmdb:// alone: nothing to promote into
+
+
+@pytest.mark.parametrize("admit", [2, 1])
+def test_tiered_admission_hits_pages_waiting_in_the_workers_memory(tmp_path, admit):
+    """tiered:// with admit=2: a saved page waits in the worker's memory tier for its second use, so the
+    scheduler mirrors that tier from the workers' reports (`StoredPages.added`; its capacity and policy)
+    and a lookup hits it there (the load is that second use). Once the mirror has evicted it, it is a miss
+    unless it is on disk. admit=1 has no mirror: the disk tier answers alone, as before."""
+    from types import SimpleNamespace
+
+    from kvoffload.connectors.vllm import StoredPages
+    from kvoffload.store import shared_store
+
+    url = f"tiered://?memory=64KiB&lmdb={tmp_path}/db&lmdb_capacity=64MiB&admit={admit}"
+    engine = _Engine(*_glm_vllm_config(BLOCK, url))
+    engine.add("cold", _prompt(1))
+    engine.run()
+    connector, scheduler = engine.connector, engine.connector.connector_scheduler
+    saved = [page_key(key, group_name(g, connector.kinds[g]))
+             for step in engine.steps for job in step["meta"].saves for key, g, _, _ in job.pages]
+    assert len(saved) == 12  # 3 blocks: 3 KDA checkpoints and the MLA page each
+
+    def report(**fields):  # the workers' aggregated report of a step
+        scheduler.update_connector_output(SimpleNamespace(kv_connector_worker_meta=StoredPages(**fields),
+                                                          failed_recving=None))
+
+    def lookup(req_id):
+        return connector.get_num_new_matched_tokens(engine.add(req_id, _prompt(1)), 0)
+
+    report(added={key: 1000 for key in saved})  # in the worker's memory tier, not on disk
+    assert lookup("warm") == ((3 * BLOCK, True) if admit == 2 else (0, False))
+    report(added={b"other%d" % i: 1000 for i in range(100)})  # past the memory tier's 64 KiB: the oldest go
+    mirror = scheduler._mirror
+    assert (mirror is None) is (admit == 1)
+    if mirror is not None:  # bounded by the tier's capacity
+        assert mirror.used <= mirror.capacity == 64 << 10 and len(mirror.sizes) == (64 << 10) // 1000
+    assert lookup("evicted") == (0, False)
+    assert all(shared_store(url).back.put_many([(key, b"page") for key in saved]))  # on disk (admitted)
+    assert lookup("on-disk") == (3 * BLOCK, True)

@@ -62,7 +62,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..spec import GroupKind, KeyChain
 from ..spec.vllm import UnsupportedLayoutError, key_context, scheduler_view
 from ..errors import ConfigError
-from ..store import MemorySpec
+from ..store import MemorySpec, TieredSpec
 from .vllm_config import EXTRA_CONFIG_KEYS, ConnectorConfig
 from .vllm_identity import vllm_model_identity
 from .vllm_metrics import KVOffloadPromMetrics, KVOffloadStats
@@ -99,6 +99,12 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         share = not isinstance(config.spec, MemorySpec)
         dcp_size = int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
         self.view = scheduler_view(kv_cache_config, tp_size=self.tp_size, dcp_size=dcp_size, share_replicas=share)
+        if isinstance(config.spec, TieredSpec) and config.spec.admit > 1 and \
+                any(g.tp_replicas > 1 for g in self.view.cacheable_groups):
+            raise ConfigError("KVOffloadConnector: tiered:// admit= above 1 is not supported with tensor parallelism "
+                              "on this model: TP ranks share some pages (written once, read by all), and a shared "
+                              "page waiting for admission is in the memory tier of the rank that wrote it only; "
+                              "leave admit at 1")
         self.block_size = self.view.block_size
         self.kinds = list(self.view.kinds)
         if not any(kind is not GroupKind.SKIP for kind in self.kinds):
@@ -112,20 +118,21 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.chain = KeyChain(context, self.block_size, namespace=self.namespace)
         self.connector_scheduler: _Scheduler | None = None
         self.connector_worker: _Worker | None = None
+        events_config = getattr(vllm_config, "kv_events_config", None)
+        events = bool(events_config is not None and events_config.enable_kv_cache_events)
         if role == KVConnectorRole.SCHEDULER:
             workers = max(int(getattr(parallel, "world_size", 1) or 1), 1)
             self.connector_scheduler = _Scheduler(self.view, self.chain, self.store_url, self.tp_size, workers,
                                                   self.namespace, spec=config.spec, max_blocks=config.max_blocks,
                                                   prefetch=config.prefetch_budget != 0)
-            events = getattr(vllm_config, "kv_events_config", None)
-            if events is not None and events.enable_kv_cache_events:  # vLLM drains take_events every step
+            if events:  # vLLM drains take_events every step
                 self.connector_scheduler.enable_events(
                     getattr(kv_cache_config, "hash_block_size", None) or self.block_size)
         else:
             self.connector_worker = _Worker(kv_cache_config, self.view, self.store_url,
                                             f"{model_id}#{self.model_identity}", self.tp_rank, self.tp_size,
                                             self.namespace, dcp_size=dcp_size, share_replicas=share,
-                                            prefetch_budget=config.prefetch_budget)
+                                            prefetch_budget=config.prefetch_budget, report_evictions=events)
 
     # ------------------------------------------------------------------ scheduler side
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:

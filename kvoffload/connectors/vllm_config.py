@@ -49,10 +49,6 @@ class ConnectorConfig:
             raise ConfigError("KVOffloadConnector: namespace must not be empty")
         object.__setattr__(self, "store", self.store or vllm_store_url())
         spec = parse_store_url(self.store)  # a bad URL fails at start-up, in both roles
-        if isinstance(spec, TieredSpec) and spec.admit != 1:
-            raise ConfigError("KVOffloadConnector: tiered:// admit= above 1 is not supported under vLLM yet: its "
-                              "scheduler sees the disk tier only, so a page waiting in memory for admission would "
-                              "never be hit, hence never admitted; leave admit at 1")
         object.__setattr__(self, "spec", spec)
         self.prefetch_budget  # noqa: B018 - a bad size is a StoreConfigError (a ConfigError) at start-up
         if self.max_saved_blocks is not None and not (self.max_saved_blocks.isdigit() and int(self.max_saved_blocks)):

@@ -2,8 +2,8 @@
 prefix-aware router that reads vLLM's event stream (`--kv-events-config`) also sees the offloaded cache.
 
 Fields follow vLLM's own OffloadingConnector (`offloading/events.py`):
-- `medium`: vLLM's names, "CPU" for a `memory://` store, "STORAGE" for LMDB, Redis and `tiered://` (whose
-  scheduler sees the last tiers only).
+- `medium`: vLLM's names, "CPU" for a `memory://` store, "STORAGE" for LMDB, Redis and `tiered://` (the
+  store as a whole: a block is held while each page is in one of its tiers).
 - `block_hashes`: vLLM's own hashes of the request (`Request.block_hashes`, what routers compare), one
   per `hash_block_size` tokens: a physical block of `r` hash units carries its `r` hashes, `block_size`
   is the hash unit, `token_ids` the whole block's tokens, `parent_block_hash` the hash just before it.
@@ -15,12 +15,15 @@ every TP rank and, for a model with STATE groups, the STATE checkpoint at its en
 In a hybrid model a block without a checkpoint is therefore never announced. A block is announced once
 per medium: when a save makes it held (checked against the store when save jobs are reported, a few
 times: a `tiered://` write-behind reaches the disk later) or a lookup finds it held (after a restart,
-say; pages of a save in flight count, as for hits); it is removed when a page of it is evicted from the scheduler's
-mirror of a memory store, when a load finds a page missing, or on `reset_cache`. LMDB's own evictions
-happen in the worker's writer and are not reported (the scheduler would have to read every eviction);
-a router learns of them when a load reports the page missing. Memory is bounded: payloads are kept
-for at most `max_blocks` blocks (the oldest forgotten: its removal is then not reported), and the
-event list is drained by vLLM every step; nothing is recorded unless vLLM has events enabled.
+say; pages of a save in flight count, as for hits). It is removed when a load finds a page of it missing,
+on `reset_cache`, and when a page of it is evicted and the store no longer holds it: evicted from the
+scheduler's mirror of a memory tier (`memory://`, a `tiered://` front with admit > 1), or by the store
+itself in the process that writes it (LMDB's LRU, a tiered store's memory front; `Store.watch_evictions`),
+reported by the worker in `StoredPages.evicted` (at most `vllm_worker.MAX_EVICTED` keys a step). A page a
+tiered front evicted that is on disk (or one evicted from disk but still in memory) is still held.
+Memory is bounded: payloads are kept for at most `max_blocks` blocks (the oldest forgotten: its removal
+is then not reported), and the event list is drained by vLLM every step; nothing is recorded, and no
+worker collects evicted keys, unless vLLM has events enabled.
 """
 
 from __future__ import annotations
@@ -139,7 +142,7 @@ class KVEvents:
         return block
 
     def removed(self, page_keys: Iterable[bytes]) -> None:
-        """Pages gone from the store (evicted from the mirror, missing at a load): their blocks are not held."""
+        """Pages gone from the store (evicted, missing at a load): their blocks are not held."""
         gone = {self._owner[p] for p in page_keys if p in self._owner}
         hashes = [h for key in gone for h in self._forget(key).hashes]
         if hashes:

@@ -1,6 +1,6 @@
 """`KVOffloadConnector`'s scheduler side (see `kvoffload.connectors.vllm` for the design): lookups on the
 kinds-only view (`kvoffload.spec.vllm.scheduler_view`), load and save jobs, block pinning, the mirror of
-a worker's memory store."""
+the workers' memory tiers."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..spec import GroupKind, KeyChain, request_salt
 from ..spec.vllm import KindsLayout
-from ..store import MemorySpec, StoreSpec, parse_store_url, shared_store
+from ..store import MemorySpec, StoreSpec, TieredSpec, parse_store_url, shared_store
 from ..store.url import redact_url
 from .plan import hit_blocks, page
 from .vllm_events import KVEvents, medium_for
@@ -41,8 +41,8 @@ class _MirrorIndex:
 
     def update(self, report: StoredPages) -> set[bytes]:
         """Apply a report; returns the keys it no longer holds (missing at a load, evicted)."""
-        dropped = set(report.missing)
-        for key in report.missing:
+        dropped = report.missing | report.evicted
+        for key in dropped:
             self._drop(key)
         for key, size in report.added.items():
             self._drop(key)
@@ -68,8 +68,12 @@ class _MirrorIndex:
 
 
 def _mirror_for(spec: StoreSpec, workers: int) -> _MirrorIndex | None:
-    """LMDB (alone or behind memory) is read directly by the scheduler process; a memory tier lives in
-    each worker process, so the scheduler mirrors them (together) from the workers' reports."""
+    """A memory tier lives in each worker process, so the scheduler mirrors them (together) from the
+    workers' reports: a memory:// store, and the memory front of a tiered:// store with admit > 1, where
+    a page waits there for the use that admits it to the back tier. The back tier (LMDB, Redis) is read
+    directly by the scheduler process; with admit=1 every page goes behind, so that is enough."""
+    if isinstance(spec, TieredSpec) and spec.admit > 1:
+        spec = spec.memory
     if not isinstance(spec, MemorySpec):
         return None
     return _MirrorIndex(workers * spec.capacity, spec.evict)
@@ -115,9 +119,8 @@ class _Scheduler:
         self._spec = spec or parse_store_url(store_url)
         self._mirror = _mirror_for(self._spec, workers)
         self._store_url = store_url
-        if self._mirror is None:  # a memory store lives in the workers; others open here, at start-up
+        if self._store is not None:  # a memory store lives in the workers; others open here, at start-up
             self._store.claim(namespace)
-        self._store_presence = self._mirror.contains_many if self._mirror else self._stored
         self._clear_workers = False
         self._resets = 0  # reset_cache generations
         self._uncleared = 0  # workers yet to report clearing for the latest one (no hits until then)
@@ -131,10 +134,9 @@ class _Scheduler:
 
     def enable_events(self, hash_block_size: int) -> None:
         """Record BlockStored / BlockRemoved events for vLLM's publisher (`vllm_events`)."""
-        mirror = self._mirror
-        contains = (lambda keys: [k in mirror.sizes for k in keys]) if mirror is not None else self._store_presence
         medium = medium_for(self._spec.scheme)
-        self._events = KVEvents(self.layout, medium, hash_block_size, contains)
+        self._events = KVEvents(self.layout, medium, hash_block_size,
+                                lambda keys: self._store_presence(keys, touch=False))
 
     def take_events(self) -> list:
         return self._events.take() if self._events is not None else []
@@ -142,11 +144,31 @@ class _Scheduler:
     @property
     def _store(self):
         """The process's store for presence lookups, asked for at each use: a worker in this process
-        may reopen it with its layout fingerprint (`shared_store`)."""
-        return None if self._mirror else shared_store(self._store_url)
+        may reopen it with its layout fingerprint (`shared_store`); None for a memory:// store."""
+        return None if isinstance(self._spec, MemorySpec) else shared_store(self._store_url)
 
     def _stored(self, keys: list[bytes]) -> list[bool]:
         return self._store.contains_many(keys)
+
+    def _store_presence(self, keys: list[bytes], touch: bool = True) -> list[bool]:
+        """In the mirrored memory tiers (`touch`: a lookup, refreshing recency as the load will) or in
+        the store this process opens."""
+        if self._mirror is None:
+            return self._stored(keys)
+        found = self._mirror.contains_many(keys) if touch else [k in self._mirror.sizes for k in keys]
+        rest = [i for i, there in enumerate(found) if not there]
+        if rest and self._store is not None:
+            for i, there in zip(rest, self._stored([keys[i] for i in rest])):
+                found[i] = there
+        return found
+
+    def _gone(self, keys: set[bytes]) -> set[bytes]:
+        """Of the keys a tier let go (evicted, or dropped from the mirror), those the store lacks now: a
+        page a tiered:// front evicted may be on disk, one LMDB evicted may have been written again."""
+        if not keys or self._store is None:
+            return keys
+        ordered = list(keys)
+        return {key for key, there in zip(ordered, self._stored(ordered)) if not there}
 
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
         self._block_pool = gpu_block_pool
@@ -360,11 +382,11 @@ class _Scheduler:
         report = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(report, StoredPages):
             self._uncleared -= report.cleared.get(self._resets, 0)
-            dropped = self._mirror.update(report) if self._mirror is not None else report.missing
+            dropped = self._mirror.update(report) if self._mirror is not None else report.missing | report.evicted
             for job_id, count in report.done_jobs.items():
                 self._unpin(job_id, count)
-            if self._events is not None:
-                self._events.removed(dropped)
+            if self._events is not None:  # a page missing at a load is gone, whatever the store says
+                self._events.removed(report.missing | self._gone(dropped - report.missing))
                 if report.done_jobs:
                     self._events.check()
         for req_id in getattr(connector_output, "failed_recving", None) or ():

@@ -48,15 +48,17 @@ class KVOffloadMetadata(KVConnectorMetadata):
 @dataclass
 class StoredPages(KVConnectorWorkerMetadata):
     """Worker -> scheduler, every step: pages written (key -> bytes), pages a load did not find, and
-    save jobs done (job id -> number of workers reporting it), workers that cleared their store. The
-    scheduler mirrors a memory:// store with it, since that store lives in the worker process, unpins a
-    job's blocks once every worker has reported it, and serves no hit after a reset until every worker
-    has cleared its own copy."""
+    save jobs done (job id -> number of workers reporting it), workers that cleared their store, and
+    (only while KV events are enabled) pages the store evicted. The scheduler mirrors a memory store
+    with it, since that store lives in the worker process, unpins a job's blocks once every worker has
+    reported it, serves no hit after a reset until every worker has cleared its own copy, and reports
+    evicted pages' blocks as removed."""
 
     added: dict[bytes, int] = field(default_factory=dict)
     missing: set[bytes] = field(default_factory=set)
     done_jobs: dict[int, int] = field(default_factory=dict)
     cleared: dict[int, int] = field(default_factory=dict)  # reset generation -> workers that cleared for it
+    evicted: set[bytes] = field(default_factory=set)
 
     def aggregate(self, other: StoredPages) -> StoredPages:
         done = dict(self.done_jobs)
@@ -65,5 +67,6 @@ class StoredPages(KVConnectorWorkerMetadata):
         cleared = dict(self.cleared)
         for generation, count in other.cleared.items():
             cleared[generation] = cleared.get(generation, 0) + count
-        return StoredPages({**self.added, **other.added}, self.missing | other.missing, done, cleared)
+        return StoredPages({**self.added, **other.added}, self.missing | other.missing, done, cleared,
+                           self.evicted | other.evicted)
 

@@ -5,6 +5,7 @@ scheduler's kinds view at start-up, and runs loads and saves as background jobs.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
 
 import torch
@@ -22,6 +23,8 @@ from .vllm_shared import KVOffloadMetadata, StoredPages
 
 log = logging.getLogger("kvoffload.connectors.vllm")
 
+MAX_EVICTED = 1 << 16  # evicted keys held for one report (more in one step: their removal goes unreported)
+
 
 class _Worker:
     """A worker process's half: `view` is what the scheduler plans with (checked against this
@@ -29,9 +32,10 @@ class _Worker:
 
     def __init__(self, kv_cache_config, view: KindsLayout, store_url: str, model_id: str, tp_rank: int,
                  tp_size: int, namespace: str = "vllm", *, dcp_size: int = 1, share_replicas: bool = True,
-                 prefetch_budget: int | None = 0):
+                 prefetch_budget: int | None = 0, report_evictions: bool = False):
         """`prefetch_budget`: bytes its prefetch may hold for queued requests (0: none; None: a quarter
-        of the store's memory tier)."""
+        of the store's memory tier); `report_evictions`: KV events are enabled; report the keys the
+        store evicts (`StoredPages.evicted`)."""
         self.kv_cache_config, self.view, self.store_url, self.namespace = kv_cache_config, view, store_url, namespace
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self._dcp_size, self._share_replicas = dcp_size, share_replicas
@@ -45,6 +49,9 @@ class _Worker:
         self._model_id = model_id
         self._report = StoredPages()
         self._last_counters: dict[str, int] = {}
+        self._report_evictions = report_evictions
+        self._evicted: dict[bytes, None] = {}  # filled by the threads that write the store
+        self._evicted_lock = threading.Lock()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         try:  # the worker's own tensor-parallel rank, once vLLM's process groups exist
@@ -63,6 +70,8 @@ class _Worker:
         transfer = make_transfer(raw)
         store = shared_store(self.store_url, fingerprint=layout.fingerprint)
         store.claim(self.namespace)
+        if self._report_evictions:
+            store.watch_evictions(self._on_evicted)
         self.offloader = Offloader(store, layout, transfer)
         self.jobs = Jobs(self.offloader, name=f"kvoffload-tp{self.tp_rank}")
         front = getattr(store, "front", None)  # prefetch fills a memory tier in front of a slower one
@@ -124,9 +133,20 @@ class _Worker:
             self.jobs.submit_save((job.job_id, job.req_id), pages)
         self._awaited.update(meta.await_saves)
 
+    def _on_evicted(self, keys: list[bytes]) -> None:
+        """The store's eviction listener (a save job's or a write-behind thread): kept for the next report."""
+        with self._evicted_lock:
+            room = MAX_EVICTED - len(self._evicted)
+            self._evicted.update(dict.fromkeys(keys[:max(room, 0)]))
+
     def build_connector_worker_meta(self) -> StoredPages | None:
         report, self._report = self._report, StoredPages()
-        return report if report.added or report.missing or report.done_jobs or report.cleared else None
+        if self._report_evictions:
+            with self._evicted_lock:
+                evicted, self._evicted = self._evicted, {}
+            report.evicted.update(evicted)
+        return report if (report.added or report.missing or report.done_jobs or report.cleared
+                          or report.evicted) else None
 
     def get_kv_connector_stats(self) -> KVOffloadStats | None:
         if self.offloader is None:

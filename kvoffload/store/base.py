@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -16,6 +17,7 @@ from .buffers import Buffer, byte_view, copy_into, writable_view
 from .errors import EntryTooLargeError
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # fill(destinations) writes the values in place (None: the tier had no room for that one) and says
 # which it filled; a tier publishes only those, after fill returns.
@@ -97,6 +99,25 @@ class Store(ABC):
         the slower tier's values of `keys` into the faster one. Returns how many it moved; a
         single-tier store has nowhere to move them (0)."""
         return 0
+
+    # -- eviction reports (a connector tells a router which entries went) ---------------------------------
+    _on_evict: Callable[[list[bytes]], None] | None = None
+
+    def watch_evictions(self, listener: Callable[[list[bytes]], None] | None) -> None:
+        """From now on call `listener(keys)` with the keys this store no longer holds because it made room
+        (never deleted or cleared ones): after the change, outside the store's locks, on the thread that
+        wrote. One listener (None: stop); unwatched, no key is collected. A tier that cannot tell (Redis
+        evicts on its own) never calls it."""
+        self._on_evict = listener
+
+    def _report_evicted(self, keys: Sequence[bytes]) -> None:
+        listener = self._on_evict
+        if listener is None or not keys:
+            return
+        try:
+            listener(list(keys))
+        except Exception:  # a report is advisory: it must never fail the write that evicted
+            log.exception("store %s: eviction listener failed", self.url)
 
     # -- in-place access (the pinned arena implements these without a copy) ----------------------------
     in_place: bool = False  # True when write_many / acquire hand out the tier's own (pinned) memory

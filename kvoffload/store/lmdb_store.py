@@ -19,6 +19,9 @@ entry may take at most a quarter of the capacity, and a batch is committed in tr
 that many bytes: LMDB cannot reuse pages freed in the same transaction, and the map's headroom above the
 capacity is what such a transaction writes while its evictions are still pinned.
 
+A watched store (`watch_evictions`) reports the keys a write evicted once its transaction committed,
+less those the same batch wrote again.
+
 Locks, always taken in this order (none is held while waiting for an earlier one):
   1. `open.lock` (flock, exclusive): only while opening -- the damage checks, a reset, the map size;
   2. `users.lock` (flock, shared while the store is open): a process alone may resize or reset;
@@ -368,12 +371,15 @@ class LMDBStore(Store):
         views = self._views(items)
         written = [False] * len(views)
         latest: dict[bytes, int] = {}  # key -> index of its value now in the store (this batch)
+        evicted: list[bytes] | None = [] if self._on_evict is not None else None  # collected only if watched
         with self._write_lock:
             for chunk in self._chunks(views):
-                self._put_chunk(views, chunk, written, latest)
+                self._put_chunk(views, chunk, written, latest, evicted)
         ok = sum(written)
         self._count(puts=ok, put_bytes=sum(v.nbytes for (_, v), w in zip(views, written) if w),
                     dropped_puts=len(views) - ok)
+        if evicted:  # after the write lock: a listener may take other stores' locks
+            self._report_evicted([key for key in dict.fromkeys(evicted) if key not in latest])
         return written
 
     def _chunks(self, views) -> list[list[int]]:
@@ -388,14 +394,19 @@ class LMDBStore(Store):
             size += charge
         return chunks
 
-    def _put_chunk(self, views, chunk: list[int], written: list[bool], latest: dict[bytes, int]) -> None:
+    def _put_chunk(self, views, chunk: list[int], written: list[bool], latest: dict[bytes, int],
+                   evicted: list[bytes] | None) -> None:
+        """`evicted` (when not None) gets the keys committed transactions evicted."""
         need = sum(self._charge(views[i][1].nbytes) for i in chunk)
         for attempt in range(6):
             events: list = []
+            victims: list[bytes] = []
             try:
                 with self._env.begin(write=True, buffers=True) as txn:
-                    self._write_chunk(txn, views, chunk, events)
+                    self._write_chunk(txn, views, chunk, events, victims)
                 self._replay(views, events, written, latest)
+                if evicted is not None:
+                    evicted += victims
                 return
             except lmdb.MapFullError:
                 # Free pages are scattered (or pinned by a reader's snapshot): evict more, committed
@@ -404,13 +415,15 @@ class LMDBStore(Store):
                 if not self._evict_committed(need << attempt, events):
                     break
                 self._replay(views, events, written, latest)
+                if evicted is not None:
+                    evicted += events  # that transaction's events are all evictions
             except (lmdb.Error, OSError) as exc:  # a failed write is a dropped write, never a crash
                 self._warn_once("write", "LMDB store %s: write failed: %s", self.path, exc)
                 break
         self._warn_once("dropped", "LMDB store %s: %d entries dropped: no room in the map after evicting (counted "
                         "in dropped_puts)", self.path, len(chunk))
 
-    def _write_chunk(self, txn, views, chunk: list[int], events: list) -> None:
+    def _write_chunk(self, txn, views, chunk: list[int], events: list, victims: list[bytes]) -> None:
         tick, used = self._read_counters(txn)
         tick = self._apply_touches(txn, tick)
         for i in chunk:
@@ -426,6 +439,7 @@ class LMDBStore(Store):
                     used = 0
                     break
                 events.append(victim)
+                victims.append(victim)
                 used -= freed
             tick += 1
             txn.put(key, view, db=self._data)

@@ -15,6 +15,8 @@ A slot can be held: by a reader while it consumes, by a lease (`acquire`) until 
 evicted, replaced or deleted while its slot is held leaves the index at once, and the slot is freed
 when its last holder lets go.
 
+A watched arena (`watch_evictions`) reports the keys it evicted, after its lock is released.
+
 Lock order: one store lock (`_lock`), taken for bookkeeping only (no copy, no fill, no caller callback
 runs under it); the base class's counter lock is taken after it is released, never inside it. A tiered
 store may hold its own `_lock` while calling in (tiered._lock -> this lock): this lock is always the
@@ -206,7 +208,7 @@ class MemoryStore(Store):
             self._free(slot)
         return nbytes
 
-    def _reserve(self, key: bytes, cls: int, batch: dict[int, int], evicted: list[int]) -> int | None:
+    def _reserve(self, key: bytes, cls: int, batch: dict[int, int], evicted: list[tuple[bytes, int]]) -> int | None:
         """A slot for a new value of `key`, making room: the key's old value first, then the least
         policy's victim among unheld entries, then this batch's own earliest reservation. None: all held."""
         while (slot := self._take(cls)) is None:
@@ -214,8 +216,7 @@ class MemoryStore(Store):
             if old is not None and old[0] not in self._holds:
                 self._unindex(key)  # replaced anyway: not an eviction
             elif (victim := self._policy.victim(self._unheld)) is not None:
-                evicted[0] += 1  # counted once per batch: a save of many pages evicts many
-                evicted[1] += self._unindex(victim)
+                evicted.append((victim, self._unindex(victim)))  # counted once per batch
             elif batch:
                 self._free(batch.pop(next(iter(batch))))
             else:
@@ -258,7 +259,7 @@ class MemoryStore(Store):
         batch: dict[int, int] = {}  # item -> reserved slot, in batch order
         latest: dict[bytes, int] = {}  # key -> the item of this batch that will hold it
         dests: list[np.ndarray | None] = [None] * len(items)
-        evicted = [0, 0]  # entries, bytes
+        evicted: list[tuple[bytes, int]] = []  # (key, bytes)
         with self._lock:
             for i, (key, nbytes) in enumerate(items):
                 if key in latest and latest[key] in batch:  # a later value of the key replaces it
@@ -269,8 +270,10 @@ class MemoryStore(Store):
             for i, slot in batch.items():
                 dests[i] = self._view(slot, items[i][1])
             self._pending += len(batch)
-        if evicted[0]:
-            self._count(evictions=evicted[0], evicted_bytes=evicted[1])
+        if evicted:
+            self._count(evictions=len(evicted), evicted_bytes=sum(n for _, n in evicted))
+            if self._on_evict is not None:  # a key this batch writes again is not gone
+                self._report_evicted(list({k for k, _ in evicted}.difference(key for key, _ in items)))
         return Reservation(items, dests, batch)
 
     def publish(self, reservation: Reservation, filled: Sequence[bool]) -> list[bool]:

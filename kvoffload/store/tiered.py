@@ -38,6 +38,9 @@ evicted what it leased); then the back, each hit copied into a front slot inside
 callback (`front.write_many`, no intermediate copy) and served as such -- `acquire` leases the front
 slot, so a DMA reads straight from the arena. Values too large for the front are private-copy leases.
 
+Evictions (`watch_evictions`): a key evicted by one tier is reported when the other tier does not hold
+it either (nor the write-behind queue), e.g. a value evicted from memory before its admission.
+
 Locks: `_lock` (with its condition `_changed`) guards the queue; it is held for dictionary operations
 and for the front's `acquire` / `delete` (so a delete and a put's queueing never interleave), then the
 tiers' own locks are taken inside it. It is held across a call to the back in `clear` only (rare, an
@@ -45,7 +48,8 @@ operator's reset: no batch is in flight then and none can start), never on the w
 writer commits without it, and a delete waits for the batch holding its key on the condition, not on a
 lock. Order: `_lock`, then the front's or the back's own locks; no thread holding a tier's lock waits
 for `_lock` (the writer takes it only after `back.put_many` returns; the admission count `_uses` is
-guarded by `_lock` alone).
+guarded by `_lock` alone). The eviction listeners (`_front_evicted`) take `_lock` only once the tier that
+evicted has released its own locks.
 """
 
 from __future__ import annotations
@@ -500,6 +504,22 @@ class TieredStore(Store):
             in_front = self.front.delete(key)
         self.front.release(p.lease for p in stale)
         return self.back.delete(key) or in_front or bool(stale)
+
+    def watch_evictions(self, listener: Callable[[list[bytes]], None] | None) -> None:
+        """A key leaves this store when a tier evicts it and the other tier does not hold it (nor the
+        write-behind queue): a value on disk outlives its memory copy, a hot one its disk copy."""
+        super().watch_evictions(listener)
+        self.front.watch_evictions(None if listener is None else self._front_evicted)
+        self.back.watch_evictions(None if listener is None else self._back_evicted)
+
+    def _front_evicted(self, keys: list[bytes]) -> None:
+        with self._lock:
+            keys = [key for key in keys if key not in self._queue and key not in self._inflight]
+        if keys:
+            self._report_evicted([key for key, there in zip(keys, self.back.contains_many(keys)) if not there])
+
+    def _back_evicted(self, keys: list[bytes]) -> None:
+        self._report_evicted([key for key, there in zip(keys, self.front.contains_many(keys)) if not there])
 
     def claim(self, owner: str) -> None:
         self.front.claim(owner)

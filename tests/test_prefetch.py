@@ -137,6 +137,21 @@ def test_done_cancels_a_queued_job_and_stops_a_running_one(slow):
         prefetcher.close()
 
 
+def test_cancel_all_waits_for_the_running_promotion(slow):
+    """A store reset clears memory after `cancel_all`: no promotion may land after it."""
+    prefetcher = Prefetcher(slow, budget=10**9)
+    try:
+        prefetcher.submit("running", _pages("running", 3 * SLICE))
+        prefetcher.submit("queued", _pages("queued", 2))
+        assert slow.entered.wait(10)
+        assert not prefetcher.cancel_all(timeout=0.2), "returned while a promotion was still running"
+        slow.gate.set()
+        assert prefetcher.cancel_all(timeout=10)
+        assert len(slow.calls) == 1 and prefetcher.charged == 0
+    finally:
+        prefetcher.close()
+
+
 def test_a_failing_store_is_counted_and_the_thread_lives_on():
     class Broken:
         def prefetch(self, keys):

@@ -57,6 +57,15 @@ class Prefetcher:
                 if self._charged.pop(req_id, None) is not None and self._queue.pop(req_id, None) is not None:
                     self.counters["prefetch_cancelled"] += 1
 
+    def cancel_all(self, timeout: float = 30.0) -> bool:
+        """End every prefetch and wait for the running one to stop (a store reset must not be refilled
+        by a promotion already under way); False if it did not stop within `timeout`."""
+        with self._cond:
+            self.counters["prefetch_cancelled"] += len(self._queue)
+            self._queue.clear()
+            self._charged.clear()
+        return self.idle(timeout)
+
     @property
     def charged(self) -> int:
         with self._cond:

@@ -87,6 +87,9 @@ class _Worker:
         if not isinstance(meta, KVOffloadMetadata) or self.jobs is None:
             return
         if meta.clear_store:  # before this step's loads and saves; no save is in flight (see reset_cache)
+            if self.prefetcher is not None and not self.prefetcher.cancel_all():
+                log.warning("KVOffloadConnector: worker %d: a prefetch still runs while its store is cleared",
+                            self.tp_rank)
             self._report.added.clear()
             if not self.offloader.store.clear(self.namespace):
                 log.warning("KVOffloadConnector: worker %d could not clear its store", self.tp_rank)

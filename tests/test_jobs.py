@@ -186,3 +186,18 @@ def test_a_store_smaller_than_a_page_is_said_once_and_saves_skip_quietly(tmp_pat
     assert offloader.counters["save_skipped_too_large"] == 3 * len(_save_pages(offloader, _keys("x", 4), range(4)))
     assert store.stats()["entries"] == 0
     store.close()
+
+
+def test_wait_results_returns_with_the_first_result_or_at_once_when_idle():
+    """An engine step with nothing to compute waits here (bounded) rather than spinning."""
+    cache, store, offloader = _setup()
+    jobs = Jobs(offloader)
+    try:
+        started = time.monotonic()
+        assert jobs.wait_results(5.0) is False and time.monotonic() - started < 1.0, "nothing pending: no wait"
+        keys = _keys("w", 4)
+        jobs.submit_save("s", _save_pages(offloader, keys, list(range(4))))
+        assert jobs.wait_results(WATCHDOG_S) is True
+        assert [r.job_id for r in jobs.poll()] == ["s"]
+    finally:
+        jobs.close()

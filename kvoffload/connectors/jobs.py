@@ -71,6 +71,13 @@ class Jobs:
             results, self._results = self._results, []
         return results
 
+    def wait_results(self, timeout: float) -> bool:
+        """Wait up to `timeout` for a result while jobs are pending (an engine step with nothing to
+        compute sleeps here instead of spinning against the job thread); True if one is ready."""
+        with self._cond:
+            return bool(self._cond.wait_for(lambda: self._results or not (self._queue or self._running), timeout)
+                        and self._results)
+
     @property
     def pending(self) -> int:
         with self._cond:

@@ -278,6 +278,7 @@ class _Scheduler:
                 state.sent_saves = True
                 meta.saves.append(job)
         meta.await_saves, self._await_saves = self._await_saves, []
+        meta.idle = not scheduler_output.total_num_scheduled_tokens
         if self._arrived or self._prefetching:
             self._prefetch_meta(meta, {*scheduler_output.num_scheduled_tokens, *(j.req_id for j in meta.loads)})
         meta.clear_store, self._clear_workers = self._resets if self._clear_workers else 0, False

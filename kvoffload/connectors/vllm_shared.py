@@ -43,6 +43,7 @@ class KVOffloadMetadata(KVConnectorMetadata):
     saves: list[SaveJob] = field(default_factory=list)
     await_saves: list[str] = field(default_factory=list)  # finished requests to report via finished_sending
     clear_store: int = 0  # a reset's generation (reset_cache; 0: none): workers clear their own copy
+    idle: bool = False  # no token scheduled in this step: a worker may wait briefly for its jobs
 
 
 @dataclass

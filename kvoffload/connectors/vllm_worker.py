@@ -22,6 +22,7 @@ from .vllm_metrics import COUNTERS, KVOffloadStats
 from .vllm_shared import KVOffloadMetadata, StoredPages
 
 log = logging.getLogger("kvoffload.connectors.vllm")
+IDLE_WAIT_S = 0.005  # at most this long per step with nothing to compute, waiting for a job's result
 
 MAX_EVICTED = 1 << 16  # evicted keys held for one report (more in one step: their removal goes unreported)
 
@@ -48,6 +49,7 @@ class _Worker:
         self._awaited: set[str] = set()  # finished requests the scheduler waits on
         self._model_id = model_id
         self._report = StoredPages()
+        self._idle_step = False  # this step scheduled no token (KVOffloadMetadata.idle)
         self._last_counters: dict[str, int] = {}
         self._report_evictions = report_evictions
         self._evicted: dict[bytes, None] = {}  # filled by the threads that write the store
@@ -84,8 +86,10 @@ class _Worker:
 
     def start_load_kv(self, meta) -> None:
         """Submit this step's loads; they finish in the background (reported by get_transfer_results)."""
+        self._idle_step = False
         if not isinstance(meta, KVOffloadMetadata) or self.jobs is None:
             return
+        self._idle_step = meta.idle
         if meta.clear_store:  # before this step's loads and saves; no save is in flight (see reset_cache)
             if self.prefetcher is not None and not self.prefetcher.cancel_all():
                 log.warning("KVOffloadConnector: worker %d: a prefetch still runs while its store is cleared",
@@ -105,6 +109,10 @@ class _Worker:
         """Loads and saves finished since the last step. A failed load is also 'finished' so the request
         leaves its wait state, and vLLM recomputes it; a finished request is 'sent' once its saves ran."""
         done, failed = set(), set()
+        if self._idle_step and self.jobs is not None and self.jobs.pending:
+            # Nothing to compute this step (requests wait for loads): sleep briefly for a result instead
+            # of letting the engine loop spin against the (niced) job thread on a busy machine.
+            self.jobs.wait_results(IDLE_WAIT_S)
         for result in self.jobs.poll() if self.jobs is not None else ():
             if result.kind == "load":
                 done.add(result.job_id)

@@ -26,7 +26,8 @@ A request whose load failed is not offered a load again: it recomputes (and its 
 (`_Scheduler.reset_cache`).
 
 Nothing waits for the store inside the engine step: the worker submits loads and saves to one background
-thread (`jobs`) and reports them in a later step. The scheduler pins every block a save job reads (a
+thread (`jobs`) and reports them in a later step (a step with no token to compute waits up to 5 ms for
+them, rather than spinning the engine loop against that thread). The scheduler pins every block a save job reads (a
 reference on vLLM's block pool, as vLLM's own offloading does) until every worker reports the job done,
 so neither a finished, preempted or aborted request nor a retired recurrent-state block can be reused
 under a save; a finished request with saves also stays (`request_finished` returns True) until its saves

@@ -6,7 +6,6 @@ agree, bytes_used and S3-FIFO's small_bytes are what the entries take."""
 from __future__ import annotations
 
 import logging
-import os
 import random
 import select
 import signal
@@ -60,7 +59,8 @@ def check_file(path: str) -> dict:
         assert U64.unpack(info[b"small_bytes"])[0] == sum(entry_charge(sizes[k]) for k in small)
         assert all(t & (MAIN - 4) <= U64.unpack(info[b"tick"])[0] for t, _ in index), "a counter ahead of the tick"
         assert len({t & (MAIN - 4) for t, _ in index}) == len(index), "two entries at one queue position"
-    return {"evict": evict, "sizes": sizes, "main": {k for t, k in index if t >= MAIN}}
+    return {"evict": evict, "sizes": sizes, "main": {k for t, k in index if t >= MAIN},
+            "hits": {k: t & 3 for t, k in index}}
 
 
 def _edit_info(path: str, edit) -> None:
@@ -137,7 +137,8 @@ def test_main_spends_a_hit_per_pass_and_evicts_what_was_not_hit(tmp_path):
             for step in range(6 * fit):
                 if not any(store.contains(k) for k in gone):
                     return step
-                for key in (b"f%d" % fresh[0], next(b"f%d" % i for i in range(fresh[0]) if not store.contains(b"f%d" % i))):
+                left = next(b"f%d" % i for i in range(fresh[0]) if not store.contains(b"f%d" % i))
+                for key in (b"f%d" % fresh[0], left):
                     assert store.put(key, _value(key))
                 fresh[0] += 1
             raise AssertionError(f"still there after {6 * fit} steps: {[k for k in gone if store.contains(k)]}")
@@ -227,8 +228,12 @@ def test_an_empty_store_takes_the_policy_asked_for_unless_another_process_has_it
     path = f"{tmp_path}/db"
     with open_store(f"lmdb://{path}?capacity=1MiB") as store:
         assert store.evict == "lru"
+        assert store.put_many([(b"a", b"1"), (b"b", b"2"), (b"c", b"3")]) == [True] * 3  # LRU tick 3
+        assert store.clear("ns")
     with open_store(f"lmdb://{path}?capacity=1MiB&evict=s3fifo") as store:  # empty, alone: switched
         assert store.evict == "s3fifo"
+        assert store.put(b"new", b"x")
+    assert check_file(path)["hits"] == {b"new": 0}  # a fresh entry, not one with hits
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys; from kvoffload import open_store; "
          f"s = open_store('lmdb://{path}?capacity=1MiB&evict=s3fifo'); print('open', flush=True); "

@@ -1,10 +1,19 @@
 """Disk tier on LMDB: persistent across restarts, crash-safe commits, checksummed entries, a hard
-byte capacity enforced by LRU eviction, many reader processes beside one writer at a time.
+byte capacity enforced by eviction (LRU, or S3-FIFO), many reader processes beside one writer at a time.
 
 Layout of the environment (four named databases, all updated in one transaction per batch):
-  data: key -> payload            meta: key -> header (entry.py) + LRU tick (u64)
-  lru:  tick (big-endian u64) + key -> b""      info: format_version, tick, bytes_used, capacity
+  data: key -> payload            meta: key -> header (entry.py) + tick (u64)
+  lru:  tick (big-endian u64) + key -> b"" (the eviction order)
+  info: format_version, tick, bytes_used, capacity, evict (the policy), small_bytes (S3-FIFO)
 The payload and its header live in separate records, so a page is copied into the map once.
+
+Eviction takes the `lru` index's order. LRU: the tick is a counter, a hit moves the key to the end.
+S3-FIFO (lmdb_s3fifo.py): the tick is a queue, a place in it and a hit count, so the records are
+LRU's, sized alike; a hit rewrites the count in place, a move (to main, or back to main's tail)
+rewrites the entry's `meta` and `lru` records and never a payload page: one transaction copies at most
+every B-tree page of `meta` and `lru` once, as a batch of LRU hits can, so the map's headroom below
+holds for both. The policy is written into `info` at creation: a store with entries keeps its own (no
+record: LRU) whatever is asked, with a warning; an empty store opened alone takes the one asked for.
 
 The map is sized once, at open, from the capacity (`map_size_for`), and its whole file range -- and the
 lock file's -- is allocated on disk (`posix_fallocate`) before LMDB may touch it: a full disk can never
@@ -494,11 +503,16 @@ class LMDBStore(Store):
         if not self._s3fifo:
             counts.tick += 1
             return counts.tick
-        counts.tick += s3.STEP
+        self._next_position(counts)
         if self._ghost.take(key):
             return s3.MAIN | counts.tick
         counts.small += need
         return counts.tick
+
+    @staticmethod
+    def _next_position(counts: _Counters) -> None:
+        """S3-FIFO's next counter (the tick of a store that was LRU while empty is aligned first)."""
+        counts.tick = (counts.tick & s3.COUNTER) + s3.STEP
 
     @staticmethod
     def _replay(views, events: list, written: list[bool], latest: dict[bytes, int]) -> None:
@@ -581,7 +595,7 @@ class LMDBStore(Store):
                 if from_small:
                     ghosted.append((key, freed))
                 return key
-            counts.tick += s3.STEP
+            self._next_position(counts)
             if from_small:  # hit while in small: to main's tail, its hits kept for main's clock
                 payload = txn.get(key, db=self._data)
                 counts.small -= self._charge(len(payload)) if payload is not None else 0

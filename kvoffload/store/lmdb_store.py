@@ -574,6 +574,7 @@ class LMDBStore(Store):
         payload page is copied). Each move takes an entry out of small or spends one of its hits, so
         a victim is found within small + 3 x entries moves; the bound below only guards that."""
         cursor = txn.cursor(db=self._lru)
+        from_small = None  # the queue chosen, kept until it has a victim (or, small, until it is empty)
         for _ in range(4 * txn.stat(self._lru)["entries"] + 1):
             in_main = cursor.set_range(_MAIN_KEY)
             in_small = cursor.first() and bytes(cursor.key()[:8]) < _MAIN_KEY
@@ -581,7 +582,8 @@ class LMDBStore(Store):
                 break
             if not in_small:
                 counts.small = 0  # a drifted count must not keep choosing an empty queue
-            from_small = in_small and (counts.small >= self.capacity // s3.SMALL_SHARE or not in_main)
+            if from_small is None or (from_small and not in_small):
+                from_small = in_small and (counts.small >= self.capacity // s3.SMALL_SHARE or not in_main)
             if not from_small:
                 cursor.set_range(_MAIN_KEY)
             record = bytes(cursor.key())

@@ -168,6 +168,15 @@ def test_trace_benchmark_json(tmp_path):
         assert twin["evict"] == "lru" and (twin["admit"], twin["disk_capacity"]) == (row["admit"], row["disk_capacity"])
         assert 0 < row["hit_tokens"] < row["prompt_tokens"] and row["ttft_saved_s_total"] > 0
         assert row["memory_evictions"] > 0 and row["prompt_tokens"] == twin["prompt_tokens"]
+    # S3-FIFO on the disk under pressure, beside the same set-up with LRU there
+    disk_s3fifo = [r for r in rows.values() if r["disk_evict"] == "s3fifo"]
+    assert len(disk_s3fifo) == 1 and disk_s3fifo[0]["evict"] == "lru"
+    twin = rows[disk_s3fifo[0]["policy"].replace(", S3-FIFO disk", "")]
+    assert twin["disk_evict"] == "lru" and twin["disk_capacity"] == disk_s3fifo[0]["disk_capacity"] == min(
+        r["disk_capacity"] or 1 << 62 for r in rows.values())
+    for row in disk_s3fifo:
+        assert 0 < row["hit_tokens"] < row["prompt_tokens"] and row["ttft_saved_s_total"] > 0
+        assert row["disk_written_bytes"] + row["disk_dropped_bytes"] == row["memory_written_bytes"]
     # the queue model: time to first token includes the wait; hits shorten the queue for everyone
     for row in rows.values():
         assert row["ttft_s_mean"] >= row["queue_wait_s_mean"] >= 0 and row["queued_requests"] <= result["requests"]

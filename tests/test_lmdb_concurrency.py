@@ -208,9 +208,10 @@ def test_four_processes_below_the_capacity(tmp_path):
     assert {m for r in results for m in r["map_sizes"]} == {map_size_for(capacity)}, [r["map_sizes"] for r in results]
 
 
-def test_four_processes_evicting_each_other(tmp_path):
+@pytest.mark.parametrize("evict", ["", "&evict=s3fifo"], ids=["lru", "s3fifo"])
+def test_four_processes_evicting_each_other(tmp_path, evict):
     capacity, nkeys = 8 << 20, 40  # ~60 MiB written into 8 MiB
-    url = f"lmdb://{tmp_path}/store?capacity=8MiB"
+    url = f"lmdb://{tmp_path}/store?capacity=8MiB{evict}"
     results = run_workers(tmp_path, url, nkeys, seed=11, evicting=True)
 
     for w, r in enumerate(results):
@@ -221,6 +222,7 @@ def test_four_processes_evicting_each_other(tmp_path):
 
     present, stats = check_fresh_open(url, nkeys)
     assert 0 < stats["bytes_used"] <= capacity, stats
+    assert not evict or 0 <= stats["small_bytes"] <= stats["bytes_used"], stats
     assert len(present) < WORKERS * nkeys  # eviction really removed entries
     written = {(w, i) for w, r in enumerate(results) for i in r["written"]}
     assert set(present) <= written, "a key whose put returned False is being served"

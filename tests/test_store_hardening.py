@@ -193,9 +193,10 @@ def _edit_meta(path: str, key: bytes, edit) -> None:
     env.close()
 
 
+@pytest.mark.parametrize("evict", ["", "&evict=s3fifo"], ids=["lru", "s3fifo"])
 @pytest.mark.parametrize("damage", ["magic", "length"])
-def test_a_damaged_header_does_not_corrupt_the_byte_count(tmp_path, damage):
-    path, url = str(tmp_path / "db"), f"lmdb://{tmp_path}/db?capacity=1MiB"
+def test_a_damaged_header_does_not_corrupt_the_byte_count(tmp_path, damage, evict):
+    path, url = str(tmp_path / "db"), f"lmdb://{tmp_path}/db?capacity=1MiB{evict}"
     with open_store(url) as store:
         assert store.put_many([(b"k%d" % i, _value(i, 200 << 10)) for i in range(4)]) == [True] * 4
 
@@ -219,10 +220,11 @@ def test_a_damaged_header_does_not_corrupt_the_byte_count(tmp_path, damage):
         assert store.stats()["evictions"] == 0 and store.stats()["bytes_used"] <= 1 * MiB
 
 
+@pytest.mark.parametrize("evict", ["", "&evict=s3fifo"], ids=["lru", "s3fifo"])
 @pytest.mark.parametrize("record, raw", [(b"bytes_used", b"\x01\x02\x03"), (b"tick", b"garbage!!"),
                                          (b"bytes_used", (1 << 63).to_bytes(8, "big")[:7])])
-def test_damaged_counter_records_are_rebuilt(tmp_path, record, raw):
-    path, url = str(tmp_path / "db"), f"lmdb://{tmp_path}/db?capacity=1MiB"
+def test_damaged_counter_records_are_rebuilt(tmp_path, record, raw, evict):
+    path, url = str(tmp_path / "db"), f"lmdb://{tmp_path}/db?capacity=1MiB{evict}"
     with open_store(url) as store:
         store.put_many([(b"k%d" % i, _value(i, 50_000)) for i in range(3)])
     env = lmdb.open(path, max_dbs=8)

@@ -16,7 +16,8 @@ change it with your own measurement) minus the time to move the hit bytes from m
 (LINK_GBPS, measured on the H200 machine by `bench datapath`) and from disk (a raw sequential read on this
 machine, measured in the same run, page cache dropped for the file). Baselines in the same run: no
 offload, memory only, and store-everything LRU (`admit=1`), each tier set-up with a roomy disk and with
-one under pressure. The memory tier's eviction policy is LRU, and S3-FIFO (`evict=s3fifo`) beside it.
+one under pressure. The memory tier's eviction policy is LRU, and S3-FIFO (`evict=s3fifo`) beside it; the
+disk's is LRU, and S3-FIFO (`lmdb_evict=s3fifo`) for the disk under pressure.
 
 Queueing and prefetch: one modelled engine serves requests one at a time in arrival order (prefill of
 the tokens it did not hit, plus moving the hit bytes); a request arriving while it is busy waits, and
@@ -44,8 +45,8 @@ PREFILL_TOKENS_PER_S = 8000.0  # assumption: GLM-5.3-Flash prefill on one H200; 
 LINK_GBPS = 52.5  # host -> device through the memory tier, H200 machine (BENCHMARKS.md, bench datapath)
 MEMORY_CAPACITY = 64 << 30  # model bytes of host memory for KV (one GPU's share)
 DISK_CAPACITIES = (1 << 40, 256 << 30)  # model bytes of local disk for KV: roomy, then under pressure
-# (name, disk capacity or None: memory only, admit, memory eviction[, per-request cap, prefetch]);
-# "no offload" stores nothing
+# (name, disk capacity or None: memory only, admit, memory eviction[, per-request cap, prefetch, disk
+# eviction]); "no offload" stores nothing
 CAP_BLOCKS = 8  # the per-request cap tried (vLLM connector: max_saved_blocks)
 POLICIES = (("no offload", None, None, "lru"), ("memory only, LRU", None, 1, "lru"),
             ("memory only, S3-FIFO", None, 1, "s3fifo"),
@@ -55,7 +56,9 @@ POLICIES = (("no offload", None, None, "lru"), ("memory only, LRU", None, 1, "lr
             *((f"memory + disk {d >> 30} GiB, store everything, cap {CAP_BLOCKS} blocks", d, 1, "lru", CAP_BLOCKS)
               for d in DISK_CAPACITIES),
             *((f"memory + disk {d >> 30} GiB, store everything, prefetch", d, 1, "lru", None, True)
-              for d in DISK_CAPACITIES))
+              for d in DISK_CAPACITIES),
+            (f"memory + disk {DISK_CAPACITIES[-1] >> 30} GiB, store everything, S3-FIFO disk", DISK_CAPACITIES[-1], 1,
+             "lru", None, False, "s3fifo"))
 
 
 @dataclass(frozen=True)
@@ -126,10 +129,10 @@ class _Replay:
     """One policy's run over the trace: a fresh store, counters at model size."""
 
     def __init__(self, layout, disk: int | None, admit: int | None, evict: str, directory: str, disk_gbps: float,
-                 cap: int | None = None, prefetch: bool = False):
+                 cap: int | None = None, prefetch: bool = False, disk_evict: str = "lru"):
         self.cap = cap  # a request's keys stop after this many blocks: nothing beyond is saved or hit
         self.prefetch, self.disk_gbps, self.free_at = prefetch, disk_gbps, 0.0
-        self.layout, self.admit, self.disk, self.evict = layout, admit, disk, evict
+        self.layout, self.admit, self.disk, self.evict, self.disk_evict = layout, admit, disk, evict, disk_evict
         self.size = {g.name: -(-g.used_bytes_per_block // SCALE) for g in layout.cacheable_groups}
         self.payload = bytes(max(self.size.values()))
         self.totals = dict.fromkeys(("prompt_tokens", "hit_tokens", "memory_read_bytes", "disk_read_bytes",
@@ -142,7 +145,8 @@ class _Replay:
                                                  f"&evict={evict}")
         elif admit is not None:
             self.store = open_store(f"tiered://?memory={MEMORY_CAPACITY // SCALE}&lmdb={directory}"
-                                    f"&lmdb_capacity={disk // SCALE}&pinned=false&admit={admit}&evict={evict}")
+                                    f"&lmdb_capacity={disk // SCALE}&pinned=false&admit={admit}&evict={evict}"
+                                    f"&lmdb_evict={disk_evict}")
             self.front = self.store.front
 
     def _model_bytes(self, pages) -> int:
@@ -211,6 +215,7 @@ class _Replay:
         waits = [wait for *_, wait, _ in self.per_request]
         stats = self.store.stats() if self.store is not None else {}
         row = {"policy": name, "admit": self.admit, "disk_capacity": self.disk, "evict": self.evict,
+               "disk_evict": self.disk_evict if self.disk else None,
                "max_saved_blocks": self.cap, "prefetch": self.prefetch, **self.totals,
                "hit_rate_tokens": round(self.totals["hit_tokens"] / self.totals["prompt_tokens"], 4),
                "disk_written_bytes": int(stats.get("behind_written_bytes", 0)) * SCALE,

@@ -1,10 +1,19 @@
 """Disk tier on LMDB: persistent across restarts, crash-safe commits, checksummed entries, a hard
-byte capacity enforced by LRU eviction, many reader processes beside one writer at a time.
+byte capacity enforced by eviction (LRU, or S3-FIFO), many reader processes beside one writer at a time.
 
 Layout of the environment (four named databases, all updated in one transaction per batch):
-  data: key -> payload            meta: key -> header (entry.py) + LRU tick (u64)
-  lru:  tick (big-endian u64) + key -> b""      info: format_version, tick, bytes_used, capacity
+  data: key -> payload            meta: key -> header (entry.py) + tick (u64)
+  lru:  tick (big-endian u64) + key -> b"" (the eviction order)
+  info: format_version, tick, bytes_used, capacity, evict (the policy), small_bytes (S3-FIFO)
 The payload and its header live in separate records, so a page is copied into the map once.
+
+Eviction takes the `lru` index's order. LRU: the tick is a counter, a hit moves the key to the end.
+S3-FIFO (lmdb_s3fifo.py): the tick is a queue, a place in it and a hit count, so the records are
+LRU's, sized alike; a hit rewrites the count in place, a move (to main, or back to main's tail)
+rewrites the entry's `meta` and `lru` records and never a payload page: one transaction copies at most
+every B-tree page of `meta` and `lru` once, as a batch of LRU hits can, so the map's headroom below
+holds for both. The policy is written into `info` at creation: a store with entries keeps its own (no
+record: LRU) whatever is asked, with a warning; an empty store opened alone takes the one asked for.
 
 The map is sized once, at open, from the capacity (`map_size_for`), and its whole file range -- and the
 lock file's -- is allocated on disk (`posix_fallocate`) before LMDB may touch it: a full disk can never
@@ -47,10 +56,11 @@ from contextlib import contextmanager
 import lmdb
 
 from ..flock import flock_within
-from . import entry
+from . import entry, lmdb_s3fifo as s3
 from .base import Store
 from .buffers import Buffer
 from .errors import IncompatibleStoreError, StoreConfigError
+from .eviction import POLICIES
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +70,7 @@ ENTRY_FRACTION = 4  # an entry (and one write transaction) takes at most capacit
 MAX_KEY_BYTES = 500  # LMDB's key limit (511) less the LRU tick that prefixes a key in `lru`
 _U64 = struct.Struct(">Q")
 _TICK = struct.Struct("<Q")
+_MAIN_KEY = _U64.pack(s3.MAIN)  # S3-FIFO: the main queue's index records sort from here on
 _META_BYTES = entry.HEADER_BYTES + _TICK.size
 _INDEX_BYTES = 512  # an entry's records in the three B-trees (charged, with the payload's pages)
 _MAP_SLACK = 4 << 20  # meta pages, the free list, B-tree copies of a small store
@@ -89,6 +100,16 @@ def entry_charge(nbytes: int, psize: int = 4096) -> int:
 def capacity_for_map(map_size: int) -> int:
     """The largest capacity `map_size_for` fits in `map_size` (a map cut short by a full disk)."""
     return max(0, (map_size - _MAP_SLACK) * 16 // 21)
+
+
+class _Counters:
+    """The `info` counters a write transaction reads first and writes last: the tick (LRU) or counter
+    (S3-FIFO), bytes_used, and the S3-FIFO small queue's bytes."""
+
+    __slots__ = ("tick", "used", "small")
+
+    def __init__(self, tick: int, used: int, small: int = 0):
+        self.tick, self.used, self.small = tick, used, small
 
 
 class _Damaged(Exception):
@@ -170,18 +191,21 @@ class LMDBStore(Store):
     max_key_bytes = MAX_KEY_BYTES
 
     def __init__(self, path: str, capacity: int, fingerprint: bytes | None = None,
-                 url: str | None = None, max_readers: int = 256):
+                 url: str | None = None, max_readers: int = 256, evict: str = "lru"):
         super().__init__()
+        if evict not in POLICIES:
+            raise StoreConfigError(f"LMDB store: evict= takes {' or '.join(POLICIES)}, got {str(evict)[:40]!r}")
+        self.evict = evict  # the file's own, once open (`_settle_policy`)
         self._count(checksum_failures=0, read_errors=0)
         self._env = None
         self._users = None
         self.path = path
         self.configured_capacity = self.capacity = capacity
-        self.url = url or f"lmdb://{path}?capacity={capacity}"
+        self.url = url or f"lmdb://{path}?capacity={capacity}" + ("&evict=s3fifo" if evict == "s3fifo" else "")
         self.fingerprint = entry.normalize_fingerprint(fingerprint)
         self._max_readers = max_readers
         self._write_lock = threading.Lock()
-        self._pending_touches: dict[bytes, None] = {}
+        self._pending_touches: dict[bytes, int] = {}  # key -> hits since the last write, oldest first
         self._touch_lock = threading.Lock()
         self._warned: set[str] = set()
         if capacity < MIN_CAPACITY:
@@ -198,6 +222,7 @@ class LMDBStore(Store):
         except BaseException:
             self.close()
             raise
+        self._ghost = s3.Ghost(self.capacity)  # S3-FIFO: used under `_write_lock` only
 
     # -- opening ------------------------------------------------------------------------------------
     def _file(self, name: str) -> str:
@@ -262,7 +287,7 @@ class LMDBStore(Store):
                 raise _Damaged(f"{size} bytes on disk, {committed} committed")
             self._back_map(info["map_size"], max(committed, size), alone)
             self._data, self._meta, self._lru, self._info = (env.open_db(n) for n in (b"data", b"meta", b"lru", b"info"))
-            self._check_format()
+            self._check_format(alone)
         except _DAMAGE as exc:
             self._close_env()
             raise _Damaged(str(exc)) from None
@@ -304,9 +329,10 @@ class LMDBStore(Store):
         log.warning("LMDB store %s: disk full: %s; the store holds less", self.path, why)
         self._count(disk_full=1)
 
-    def _check_format(self) -> None:
-        """The format version (a damaged record is a damaged file), the capacity record, and the byte
-        accounting, recounted from the stored records when it is missing, damaged or of another kind."""
+    def _check_format(self, alone: bool) -> None:
+        """The format version (a damaged record is a damaged file), the eviction policy, the capacity
+        record, and the byte accounting, recounted from the stored records when it is missing, damaged or
+        of another kind."""
         with self._env.begin(write=True, buffers=True) as txn:
             stored = txn.get(b"format_version", db=self._info)
             if stored is None:
@@ -321,11 +347,29 @@ class LMDBStore(Store):
                 raise IncompatibleStoreError(
                     f"LMDB store {self.path!r} has format version {version}; this kvoffload reads version "
                     f"{entry.FORMAT_VERSION}. Point the store at a new directory (or delete this one).")
-            if txn.get(b"accounting", db=self._info) != ACCOUNTING:
+            if not self._settle_policy(txn, alone) or txn.get(b"accounting", db=self._info) != ACCOUNTING:
                 self._recount(txn)
             else:
                 self._read_counters(txn)  # recounts a damaged counter record
             txn.put(b"capacity", _U64.pack(self.configured_capacity), db=self._info)
+
+    def _settle_policy(self, txn, alone: bool) -> bool:
+        """One policy per file (their index orders differ): a store with entries keeps the one it was
+        written with (no record: LRU, written before there was a choice); the one asked for applies to
+        an empty store opened alone. False when the record was damaged (the counters are recounted)."""
+        record = txn.get(b"evict", db=self._info)
+        found = "lru" if record is None else bytes(record).decode("ascii", "replace")
+        empty = not txn.stat(self._lru)["entries"] and not txn.stat(self._data)["entries"]
+        if found not in POLICIES:
+            log.warning("LMDB store %s: damaged eviction policy record %r; using %s", self.path, found[:40],
+                        self.evict)
+        elif found != self.evict and not (empty and alone):
+            log.warning("LMDB store %s: its entries are ordered for evict=%s, not %s: it keeps evicting by %s "
+                        "(use another directory for another policy)", self.path, found, self.evict, found)
+            self.evict = found
+        if record is None or found != self.evict:
+            txn.put(b"evict", self.evict.encode(), db=self._info)
+        return found in POLICIES
 
     def _move_aside(self, reason: str) -> None:
         """Keep the damaged file for inspection (only the latest: each is as large as the map)."""
@@ -345,26 +389,45 @@ class LMDBStore(Store):
     def max_entry_bytes(self) -> int:
         return self.capacity // ENTRY_FRACTION
 
-    def _read_counters(self, txn) -> tuple[int, int]:
-        """(tick, bytes_used); damaged records are rebuilt from the stored entries in `txn`."""
-        tick, used = txn.get(b"tick", db=self._info), txn.get(b"bytes_used", db=self._info)
-        if (tick is not None and len(tick) != 8) or (used is not None and len(used) != 8) or \
-                (used is None and txn.stat(self._data)["entries"]):
-            return self._recount(txn)
-        return (_U64.unpack(tick)[0] if tick else 0, _U64.unpack(used)[0] if used else 0)
+    @property
+    def _s3fifo(self) -> bool:
+        return self.evict == "s3fifo"
 
-    def _recount(self, txn) -> tuple[int, int]:
+    def _read_counters(self, txn) -> _Counters:
+        """The counters; damaged records are rebuilt from the stored entries in `txn`."""
+        tick, used = txn.get(b"tick", db=self._info), txn.get(b"bytes_used", db=self._info)
+        small = txn.get(b"small_bytes", db=self._info) if self._s3fifo else bytes(8)
+        if (tick is not None and len(tick) != 8) or (used is not None and len(used) != 8) or \
+                (small is not None and len(small) != 8) or \
+                ((used is None or small is None) and txn.stat(self._data)["entries"]):
+            return self._recount(txn)
+        counts = _Counters(_U64.unpack(tick)[0] if tick else 0, _U64.unpack(used)[0] if used else 0,
+                           _U64.unpack(small)[0] if small else 0)
+        return self._recount(txn) if counts.small > counts.used else counts  # S3-FIFO: small is part of it
+
+    def _recount(self, txn) -> _Counters:
         used = sum(self._charge(len(value)) for _, value in txn.cursor(db=self._data))
         cursor = txn.cursor(db=self._lru)
-        tick = _U64.unpack(bytes(cursor.key()[:8]))[0] if cursor.last() and len(cursor.key()) >= 8 else 0
+        if self._s3fifo:
+            counts = _Counters(0, used)
+            for record in cursor.iternext(values=False):
+                tick = _U64.unpack(bytes(record[:8]))[0] if len(record) >= 8 else 0
+                counts.tick = max(counts.tick, tick & s3.COUNTER)
+                payload = txn.get(bytes(record[8:]), db=self._data) if s3.in_small(tick) else None
+                counts.small += self._charge(len(payload)) if payload is not None else 0
+        else:
+            tick = _U64.unpack(bytes(cursor.key()[:8]))[0] if cursor.last() and len(cursor.key()) >= 8 else 0
+            counts = _Counters(tick, used)
         txn.put(b"accounting", ACCOUNTING, db=self._info)
-        self._put_counters(txn, tick, used)
+        self._put_counters(txn, counts)
         log.info("LMDB store %s: byte accounting rebuilt from its entries (%d bytes in use)", self.path, used)
-        return tick, used
+        return counts
 
-    def _put_counters(self, txn, tick: int, used: int) -> None:
-        txn.put(b"tick", _U64.pack(tick), db=self._info)
-        txn.put(b"bytes_used", _U64.pack(max(used, 0)), db=self._info)
+    def _put_counters(self, txn, counts: _Counters) -> None:
+        txn.put(b"tick", _U64.pack(counts.tick), db=self._info)
+        txn.put(b"bytes_used", _U64.pack(max(counts.used, 0)), db=self._info)
+        if self._s3fifo:
+            txn.put(b"small_bytes", _U64.pack(min(max(counts.small, 0), max(counts.used, 0))), db=self._info)
 
     # -- writes -------------------------------------------------------------------------------------
     def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
@@ -401,10 +464,12 @@ class LMDBStore(Store):
         for attempt in range(6):
             events: list = []
             victims: list[bytes] = []
+            ghosted: list = []
             try:
                 with self._env.begin(write=True, buffers=True) as txn:
-                    self._write_chunk(txn, views, chunk, events, victims)
+                    self._write_chunk(txn, views, chunk, events, victims, ghosted)
                 self._replay(views, events, written, latest)
+                self._remember(ghosted)
                 if evicted is not None:
                     evicted += victims
                 return
@@ -423,31 +488,45 @@ class LMDBStore(Store):
         self._warn_once("dropped", "LMDB store %s: %d entries dropped: no room in the map after evicting (counted "
                         "in dropped_puts)", self.path, len(chunk))
 
-    def _write_chunk(self, txn, views, chunk: list[int], events: list, victims: list[bytes]) -> None:
-        tick, used = self._read_counters(txn)
-        tick = self._apply_touches(txn, tick)
+    def _write_chunk(self, txn, views, chunk: list[int], events: list, victims: list[bytes], ghosted: list) -> None:
+        counts = self._read_counters(txn)
+        counts.tick = self._apply_touches(txn, counts.tick)
         for i in chunk:
             key, view = views[i]
-            freed = self._remove(txn, key)
-            if freed is not None:
+            if self._remove(txn, key, counts) is not None:
                 events.append(key)
-                used -= freed
             need = self._charge(view.nbytes)
-            while used + need > self.capacity:
-                victim, freed = self._evict_oldest(txn)
+            while counts.used + need > self.capacity:
+                victim = self._evict_next(txn, counts, ghosted)
                 if victim is None:  # nothing left to evict: the count had drifted
-                    used = 0
+                    counts.used = counts.small = 0
                     break
                 events.append(victim)
                 victims.append(victim)
-                used -= freed
-            tick += 1
+            tick = self._insert_tick(counts, key, need)
             txn.put(key, view, db=self._data)
             txn.put(key, entry.encode_header(self.fingerprint, view) + _TICK.pack(tick), db=self._meta)
             txn.put(_U64.pack(tick) + key, b"", db=self._lru)
-            used += need
+            counts.used += need
             events.append(i)
-        self._put_counters(txn, tick, used)
+        self._put_counters(txn, counts)
+
+    def _insert_tick(self, counts: _Counters, key: bytes, need: int) -> int:
+        """A new entry's tick: LRU's next; S3-FIFO's next counter in small, or in main for a key the
+        ghost remembers."""
+        if not self._s3fifo:
+            counts.tick += 1
+            return counts.tick
+        self._next_position(counts)
+        if self._ghost.take(key):
+            return s3.MAIN | counts.tick
+        counts.small += need
+        return counts.tick
+
+    @staticmethod
+    def _next_position(counts: _Counters) -> None:
+        """S3-FIFO's next counter (the tick of a store that was LRU while empty is aligned first)."""
+        counts.tick = (counts.tick & s3.COUNTER) + s3.STEP
 
     @staticmethod
     def _replay(views, events: list, written: list[bool], latest: dict[bytes, int]) -> None:
@@ -460,9 +539,9 @@ class LMDBStore(Store):
             elif event in latest:
                 written[latest.pop(event)] = False
 
-    def _remove(self, txn, key: bytes) -> int | None:
-        """Delete `key`'s records in `txn`: the bytes it was charged (from the stored payload itself),
-        or None if it was not there."""
+    def _remove(self, txn, key: bytes, counts: _Counters) -> int | None:
+        """Delete `key`'s records in `txn`, taking from `counts` the bytes it was charged (from the
+        stored payload itself): those bytes, or None if it was not there."""
         payload = txn.get(key, db=self._data)
         meta = txn.get(key, db=self._meta)
         if payload is None and meta is None:
@@ -471,13 +550,27 @@ class LMDBStore(Store):
         txn.delete(key, db=self._data)
         if meta is not None:
             if len(meta) == _META_BYTES:
-                txn.delete(_U64.pack(_TICK.unpack(meta[entry.HEADER_BYTES:])[0]) + key, db=self._lru)
+                tick = _TICK.unpack(meta[entry.HEADER_BYTES:])[0]
+                txn.delete(_U64.pack(tick) + key, db=self._lru)
+                if self._s3fifo and s3.in_small(tick):
+                    counts.small -= freed
             txn.delete(key, db=self._meta)
+        counts.used -= freed
         return freed
 
-    def _evict_oldest(self, txn) -> tuple[bytes | None, int]:
-        """Remove the least recently used entry: (its key, bytes freed); (None, 0) when empty."""
-        for db in (self._lru, self._data):  # an entry without its LRU record goes too, after the rest
+    def _evict(self, txn, key: bytes, counts: _Counters) -> int:
+        freed = self._remove(txn, key, counts) or 0
+        self._count(evictions=1, evicted_bytes=freed)
+        return freed
+
+    def _evict_next(self, txn, counts: _Counters, ghosted: list) -> bytes | None:
+        """Remove the entry the policy evicts next: its key; None when the store is empty. `ghosted`
+        gets (key, bytes) of S3-FIFO's evictions from small, for the ghost once committed."""
+        return self._evict_s3fifo(txn, counts, ghosted) if self._s3fifo else self._evict_oldest(txn, counts)
+
+    def _evict_oldest(self, txn, counts: _Counters) -> bytes | None:
+        """Remove the entry first in the index (LRU: the least recently used)."""
+        for db in (self._lru, self._data):  # an entry without its index record goes too, after the rest
             cursor = txn.cursor(db=db)
             if not cursor.first():
                 continue
@@ -485,64 +578,118 @@ class LMDBStore(Store):
             if db is self._lru:
                 cursor.delete()
                 key = key[_U64.size:]
-            freed = self._remove(txn, key) or 0
-            self._count(evictions=1, evicted_bytes=freed)
-            return key, freed
-        return None, 0
+            self._evict(txn, key, counts)
+            return key
+        return None
+
+    def _evict_s3fifo(self, txn, counts: _Counters, ghosted: list) -> bytes | None:
+        """S3-FIFO (lmdb_s3fifo.py): from small's head while small holds its share (or main is empty),
+        else from main's head; a head with hits moves on instead (index and meta records only: no
+        payload page is copied). Each move takes an entry out of small or spends one of its hits, so
+        a victim is found within small + 3 x entries moves; the bound below only guards that."""
+        cursor = txn.cursor(db=self._lru)
+        from_small = None  # the queue chosen, kept until it has a victim (or, small, until it is empty)
+        for _ in range(4 * txn.stat(self._lru)["entries"] + 1):
+            in_main = cursor.set_range(_MAIN_KEY)
+            in_small = cursor.first() and bytes(cursor.key()[:8]) < _MAIN_KEY
+            if not in_small and not in_main:
+                break
+            if not in_small:
+                counts.small = 0  # a drifted count must not keep choosing an empty queue
+            if from_small is None or (from_small and not in_small):
+                from_small = in_small and (counts.small >= self.capacity // s3.SMALL_SHARE or not in_main)
+            if not from_small:
+                cursor.set_range(_MAIN_KEY)
+            record = bytes(cursor.key())
+            tick, key = _U64.unpack(record[:8])[0], record[8:]
+            cursor.delete()
+            meta = txn.get(key, db=self._meta)
+            moves = s3.hits(tick) and meta is not None and len(meta) == _META_BYTES and \
+                _TICK.unpack(meta[entry.HEADER_BYTES:])[0] == tick
+            if not moves:
+                freed = self._evict(txn, key, counts)
+                if from_small:
+                    ghosted.append((key, freed))
+                return key
+            self._next_position(counts)
+            if from_small:  # hit while in small: to main's tail, its hits kept for main's clock
+                payload = txn.get(key, db=self._data)
+                counts.small -= self._charge(len(payload)) if payload is not None else 0
+                moved = s3.MAIN | counts.tick | s3.hits(tick)
+            else:  # main's head with hits: back to main's tail with one less
+                moved = s3.MAIN | counts.tick | (s3.hits(tick) - 1)
+            txn.put(key, bytes(meta[:entry.HEADER_BYTES]) + _TICK.pack(moved), db=self._meta)
+            txn.put(_U64.pack(moved) + key, b"", db=self._lru)
+        return self._evict_oldest(txn, counts)  # an empty index (entries without one), or the guard
+
+    def _remember(self, ghosted: list) -> None:
+        """Committed evictions from S3-FIFO's small queue enter the ghost."""
+        for key, nbytes in ghosted:
+            self._ghost.add(key, nbytes)
 
     def _evict_committed(self, nbytes: int, events: list) -> bool:
-        """Free at least `nbytes` (oldest first) in a transaction of its own; False if nothing was left."""
+        """Free at least `nbytes` (in eviction order) in a transaction of its own; False if nothing was left."""
+        ghosted: list = []
         try:
             with self._env.begin(write=True, buffers=True) as txn:
-                tick, used = self._read_counters(txn)
-                freed = 0
-                while freed < nbytes:
-                    victim, step = self._evict_oldest(txn)
+                counts = self._read_counters(txn)
+                used = counts.used
+                while used - counts.used < nbytes:
+                    victim = self._evict_next(txn, counts, ghosted)
                     if victim is None:
                         break
                     events.append(victim)
-                    freed += step
-                self._put_counters(txn, tick, used - freed)
+                self._put_counters(txn, counts)
         except lmdb.Error as exc:
             self._warn_once("evict", "LMDB store %s: cannot evict: %s", self.path, exc)
             return False
+        self._remember(ghosted)
         return bool(events)
 
     def _warn_once(self, what: str, message: str, *args) -> None:
         (log.debug if what in self._warned else log.warning)(message, *args)
         self._warned.add(what)
 
-    # -- LRU touches --------------------------------------------------------------------------------
+    # -- recency and hits ---------------------------------------------------------------------------
     def _touch(self, keys: Sequence[bytes]) -> None:
-        """Reads stay read-only transactions; their recency is applied by the next write."""
+        """Reads stay read-only transactions; their hits are applied by the next write."""
         with self._touch_lock:
             for key in keys:
-                self._pending_touches.pop(key, None)
-                self._pending_touches[key] = None
+                self._pending_touches[key] = self._pending_touches.pop(key, 0) + 1
 
     def _apply_touches(self, txn, tick: int) -> int:
+        """LRU: the touched keys become the most recent, in the order they were read. S3-FIFO: their hit
+        counts rise (at most to 3), in place."""
         with self._touch_lock:
             touched, self._pending_touches = self._pending_touches, {}
-        for key in touched:
+        for key, times in touched.items():
             meta = txn.get(key, db=self._meta)
             if meta is None or len(meta) != _META_BYTES:
                 continue
             meta = bytes(meta)
-            txn.delete(_U64.pack(_TICK.unpack(meta[entry.HEADER_BYTES:])[0]) + key, db=self._lru)
-            tick += 1
-            txn.put(key, meta[: entry.HEADER_BYTES] + _TICK.pack(tick), db=self._meta)
-            txn.put(_U64.pack(tick) + key, b"", db=self._lru)
+            old = _TICK.unpack(meta[entry.HEADER_BYTES:])[0]
+            if self._s3fifo:
+                new = old - s3.hits(old) + min(s3.hits(old) + times, s3.MAX_FREQ)
+                if new == old:
+                    continue
+            else:
+                tick += 1
+                new = tick
+            txn.delete(_U64.pack(old) + key, db=self._lru)
+            txn.put(key, meta[: entry.HEADER_BYTES] + _TICK.pack(new), db=self._meta)
+            txn.put(_U64.pack(new) + key, b"", db=self._lru)
         return tick
 
     def flush(self, wait: bool = True) -> None:
-        """Persist pending LRU recency (done by every write, by `close`, and every few thousand reads;
-        a reader does not wait for a writer: `wait=False` leaves the touches to that writer)."""
+        """Persist pending hits (done by every write, by `close`, and every few thousand reads; a
+        reader does not wait for a writer: `wait=False` leaves the touches to that writer)."""
         if not self._pending_touches or not self._write_lock.acquire(blocking=wait):
             return
         try:
             with self._env.begin(write=True, buffers=True) as txn:
-                tick, used = self._read_counters(txn)
-                self._put_counters(txn, self._apply_touches(txn, tick), used)
+                counts = self._read_counters(txn)
+                counts.tick = self._apply_touches(txn, counts.tick)
+                self._put_counters(txn, counts)
         finally:
             self._write_lock.release()
 
@@ -608,9 +755,9 @@ class LMDBStore(Store):
     def _delete(self, keys: Sequence[bytes]) -> int:
         try:
             with self._write_lock, self._env.begin(write=True, buffers=True) as txn:
-                tick, used = self._read_counters(txn)
-                removed = [self._remove(txn, k) for k in keys]
-                self._put_counters(txn, tick, used - sum(r or 0 for r in removed))
+                counts = self._read_counters(txn)
+                removed = [self._remove(txn, k, counts) for k in keys]
+                self._put_counters(txn, counts)
         except lmdb.Error as exc:
             self._warn_once("delete", "LMDB store %s: delete failed: %s", self.path, exc)
             return 0
@@ -638,10 +785,11 @@ class LMDBStore(Store):
                         owners.add(bytes(key)[len(_OWNER):].decode(errors="replace"))
                 others = owners - {owner}
                 if not others:
-                    tick, _ = self._read_counters(txn)
+                    counts = self._read_counters(txn)
                     for db in (self._data, self._meta, self._lru):
                         txn.drop(db, delete=False)
-                    self._put_counters(txn, tick, 0)
+                    counts.used = counts.small = 0
+                    self._put_counters(txn, counts)
         except lmdb.Error as exc:
             log.warning("LMDB store %s: clear failed: %s", self.path, exc)
             return False
@@ -651,17 +799,23 @@ class LMDBStore(Store):
             return False
         with self._touch_lock:
             self._pending_touches.clear()
+        with self._write_lock:
+            self._ghost.clear()
         return True
 
     def _usage(self) -> dict[str, int]:
         try:
             with self._env.begin(buffers=True) as txn:
                 used = _U64.unpack(txn.get(b"bytes_used", db=self._info) or bytes(8))[0]
+                small = _U64.unpack(txn.get(b"small_bytes", db=self._info) or bytes(8))[0]
                 entries = txn.stat(self._meta)["entries"]
         except (lmdb.Error, struct.error):
-            entries = used = -1
-        return {"entries": entries, "bytes_used": used, "map_size": self._env.info()["map_size"],
-                "configured_capacity": self.configured_capacity}
+            entries = used = small = -1
+        usage = {"entries": entries, "bytes_used": used, "map_size": self._env.info()["map_size"],
+                 "configured_capacity": self.configured_capacity}
+        if self._s3fifo:
+            usage["small_bytes"] = small  # S3-FIFO's small queue (the rest is main)
+        return usage
 
     def _close_env(self) -> None:
         if self._env is not None:
@@ -693,15 +847,17 @@ def read_stats(path: str) -> dict[str, int | str]:
             info_db, meta_db = env.open_db(b"info", create=False), env.open_db(b"meta", create=False)
             with env.begin(buffers=True) as txn:
                 record = {k: bytes(v) if (v := txn.get(k, db=info_db)) is not None else None
-                          for k in (b"format_version", b"bytes_used", b"capacity")}
+                          for k in (b"format_version", b"bytes_used", b"capacity", b"evict")}
                 entries = txn.stat(meta_db)["entries"]
             map_size = env.info()["map_size"]
         finally:
             env.close()
     except lmdb.Error as exc:
         raise StoreConfigError(f"cannot read the LMDB store at {path!r}: {exc}") from None
+    evict = (record.pop(b"evict") or b"lru").decode("ascii", "replace")
     number = {k.decode(): _U64.unpack(v)[0] if v is not None and len(v) == 8 else None for k, v in record.items()}
     return {"url": f"lmdb://{path}", "format_version": number["format_version"] or 0,
             "capacity": number["capacity"] or capacity_for_map(map_size), "entries": entries,
             "bytes_used": number["bytes_used"] if number["bytes_used"] is not None else -1, "map_size": map_size,
+            "evict": evict,
             "damaged_files": len(glob.glob(f"{glob.escape(data)}.damaged-*"))}

@@ -27,10 +27,10 @@ def _auto_bool(option: str | None, name: str) -> bool | None:
     return parse_bool(option, name)
 
 
-def _evict(opts: dict[str, str], scheme: str) -> str:
-    name = opts.get("evict", "lru").strip().lower()
+def _evict(opts: dict[str, str], scheme: str, option: str = "evict") -> str:
+    name = opts.get(option, "lru").strip().lower()
     if name not in POLICIES:
-        raise StoreConfigError(f"{scheme}:// evict= takes {' or '.join(POLICIES)}, got {opts['evict'][:40]!r}")
+        raise StoreConfigError(f"{scheme}:// {option}= takes {' or '.join(POLICIES)}, got {opts[option][:40]!r}")
     return name
 
 
@@ -56,14 +56,16 @@ class MemorySpec:
 
 @dataclass(frozen=True)
 class LMDBSpec:
-    """lmdb:///abs/dir?capacity=100GiB: a disk tier."""
+    """lmdb:///abs/dir?capacity=100GiB[&evict=]: a disk tier."""
 
     scheme: ClassVar[str] = "lmdb"
     path: str
     capacity: int
+    evict: str = "lru"
 
     def url(self, redact: bool = True) -> str:
-        return f"lmdb://{quote(self.path)}?capacity={self.capacity}"
+        return f"lmdb://{quote(self.path)}?capacity={self.capacity}" + ("" if self.evict == "lru" else
+                                                                       f"&evict={self.evict}")
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,7 @@ class RedisSpec:
 
 @dataclass(frozen=True)
 class TieredSpec:
-    """tiered://?memory=&lmdb=&lmdb_capacity=&redis=&write=&behind_bytes=&behind_age=&admit=&evict=."""
+    """tiered://?memory=&lmdb=&lmdb_capacity=&lmdb_evict=&redis=&write=&behind_bytes=&behind_age=&admit=&evict=."""
 
     scheme: ClassVar[str] = "tiered"
     memory: MemorySpec
@@ -120,6 +122,8 @@ class TieredSpec:
         options = dict(memory=m.capacity, pinned=m.pinned, reserve=m.reserve, evict=m.evict, write=self.write)
         if self.lmdb:
             options.update(lmdb=self.lmdb.path, lmdb_capacity=self.lmdb.capacity)
+            if self.lmdb.evict != "lru":
+                options["lmdb_evict"] = self.lmdb.evict
         if self.redis:
             options["redis"] = self.redis.url(redact=False)
         extra = dict(behind_bytes=self.behind_bytes, behind_age=self.behind_age and repr(self.behind_age),
@@ -149,11 +153,12 @@ def _memory(parsed: StoreURL, url: str) -> MemorySpec:
 
 
 def _lmdb(parsed: StoreURL, url: str) -> LMDBSpec:
-    opts = parsed.take({"capacity"})
+    opts = parsed.take({"capacity", "evict"})
     if not parsed.path:
         raise StoreConfigError("lmdb:// needs an absolute directory, e.g. lmdb:///var/cache/kvoffload "
                                f"({redact_url(url)!r})")
-    return LMDBSpec(parsed.path, parse_size(opts.get("capacity", DEFAULT_LMDB_CAPACITY), "lmdb capacity"))
+    return LMDBSpec(parsed.path, parse_size(opts.get("capacity", DEFAULT_LMDB_CAPACITY), "lmdb capacity"),
+                    _evict(opts, "lmdb"))
 
 
 def _timeout(text: str) -> float:
@@ -198,8 +203,8 @@ def _redis(parsed: StoreURL, url: str) -> RedisSpec:
 
 
 def _tiered(parsed: StoreURL, url: str) -> TieredSpec:
-    opts = parsed.take({"memory", "lmdb", "lmdb_capacity", "pinned", "reserve", "redis", "write", "behind_bytes",
-                        "behind_age", "admit", "evict"})
+    opts = parsed.take({"memory", "lmdb", "lmdb_capacity", "lmdb_evict", "pinned", "reserve", "redis", "write",
+                        "behind_bytes", "behind_age", "admit", "evict"})
     if "lmdb" not in opts and "redis" not in opts:
         raise StoreConfigError("tiered:// needs lmdb=/abs/dir and/or redis=<URL> (and optionally memory=): "
                                f"{redact_url(url)!r}")
@@ -236,7 +241,10 @@ def _tiered(parsed: StoreURL, url: str) -> TieredSpec:
         redis = _redis(inner, opts["redis"])
     lmdb = None
     if "lmdb" in opts:
-        lmdb = LMDBSpec(opts["lmdb"], parse_size(opts.get("lmdb_capacity", DEFAULT_LMDB_CAPACITY), "lmdb_capacity"))
+        lmdb = LMDBSpec(opts["lmdb"], parse_size(opts.get("lmdb_capacity", DEFAULT_LMDB_CAPACITY), "lmdb_capacity"),
+                        _evict(opts, "tiered", "lmdb_evict"))
+    elif "lmdb_evict" in opts:
+        raise StoreConfigError(f"tiered:// lmdb_evict= needs lmdb=/abs/dir: {redact_url(url)!r}")
     memory = MemorySpec(parse_size(opts.get("memory", DEFAULT_MEMORY_CAPACITY), "memory capacity"),
                         _auto_bool(opts.get("pinned"), "pinned"), _auto_bool(opts.get("reserve"), "reserve"),
                         _evict(opts, "tiered"))

@@ -43,7 +43,7 @@ def _connector(store: str, **extra) -> dict:
 
 
 def _tiered(directory: str) -> str:
-    return f"tiered://?memory=512MiB&lmdb={directory}&lmdb_capacity=4GiB"
+    return f"tiered://?memory=512MiB&lmdb={directory}&lmdb_capacity=1GiB"
 
 
 def run(quick: bool = False, progress=None) -> dict:

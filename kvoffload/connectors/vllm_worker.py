@@ -118,7 +118,7 @@ class _Worker:
         if self.offloader is None:
             return None
         now = dict(self.offloader.counters)
-        now["checksum_failures"] = int(self.offloader.store.stats().get("checksum_failures", 0))
+        now["checksum_failures"] = self.offloader.store.counter("checksum_failures")  # stats(): I/O per step
         last, self._last_counters = self._last_counters, now
         delta = {k: now.get(k, 0) - last.get(k, 0) for k in COUNTERS}
         return KVOffloadStats(data=delta) if any(delta.values()) else None

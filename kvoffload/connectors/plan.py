@@ -83,12 +83,16 @@ def hit_blocks(layout: CacheLayout, block_keys: Sequence[bytes], num_prompt_toke
         return start
     paged = _every_rank(layout, block_keys, range(start, limit), GroupKind.PAGED)
     state = _every_rank(layout, block_keys, range(start, limit), GroupKind.STATE)
-    present = dict(zip((p.key for p in paged + state), contains([p.key for p in paged + state])))
+    found = contains([p.key for p in paged + state])
+    paged_ok, state_ok = [True] * (limit - start), [True] * (limit - start)  # per block: every page there
+    for p, there in zip(paged + state, found):
+        if not there:
+            (paged_ok if p.group.kind is GroupKind.PAGED else state_ok)[p.index - start] = False
     blocks_per_step = layout.hit_alignment // layout.block_size
     best, i = start, start
-    while i < limit and all(present[p.key] for p in paged if p.index == i):
+    while i < limit and paged_ok[i - start]:
         i += 1
-        if i % blocks_per_step == 0 and all(present[p.key] for p in state if p.index == i - 1):
+        if i % blocks_per_step == 0 and state_ok[i - 1 - start]:
             best = i
     return best
 

@@ -39,6 +39,7 @@ class _Worker:
         self._model_id = model_id
         self._report = StoredPages()
         self._last_counters: dict[str, int] = {}
+        self._stats_due = False  # a job was reported since the last stats: its counters may have moved
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         try:  # the worker's own tensor-parallel rank, once vLLM's process groups exist
@@ -78,8 +79,12 @@ class _Worker:
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Loads and saves finished since the last step. A failed load is also 'finished' so the request
         leaves its wait state, and vLLM recomputes it; a finished request is 'sent' once its saves ran."""
+        results = self.jobs.poll() if self.jobs is not None else ()
+        if not results and not self._awaited:  # most steps: nothing finished, nobody waits
+            return KVConnectorTransferResults()
+        self._stats_due = self._stats_due or bool(results)
         done, failed = set(), set()
-        for result in self.jobs.poll() if self.jobs is not None else ():
+        for result in results:
             if result.kind == "load":
                 done.add(result.job_id)
                 if not result.ok:
@@ -111,12 +116,19 @@ class _Worker:
         self._awaited.update(meta.await_saves)
 
     def build_connector_worker_meta(self) -> StoredPages | None:
-        report, self._report = self._report, StoredPages()
-        return report if report.added or report.missing or report.done_jobs or report.cleared else None
+        report = self._report
+        if not (report.added or report.missing or report.done_jobs or report.cleared):
+            return None
+        self._report = StoredPages()
+        return report
 
     def get_kv_connector_stats(self) -> KVOffloadStats | None:
-        if self.offloader is None:
+        """The counters' change since the last report. They move only inside jobs (the store's checksum
+        failures too: a load's reads), and a job's counts precede its result, so they are read only on
+        a step that polled a result, never on the idle ones."""
+        if self.offloader is None or not self._stats_due:
             return None
+        self._stats_due = False
         now = dict(self.offloader.counters)
         now["checksum_failures"] = self.offloader.store.counter("checksum_failures")  # stats(): I/O per step
         last, self._last_counters = self._last_counters, now

@@ -13,7 +13,7 @@ from ..spec import GroupKind, KeyChain, request_salt
 from ..spec.vllm import KindsLayout
 from ..store import MemorySpec, StoreSpec, parse_store_url, shared_store
 from ..store.url import redact_url
-from .plan import hit_blocks, page
+from .plan import hit_blocks, store_key
 from .vllm_events import KVEvents, medium_for
 from .vllm_shared import KVOffloadMetadata, LoadJob, SaveJob, StoredPages
 
@@ -276,8 +276,8 @@ class _Scheduler:
         its own saves, in order. A page ranks share (written by one rank, read by all) is not among
         them: it counts only once it is stored."""
         groups = {g.index: g for g in self.layout.cacheable_groups}
-        return list({page(self.layout, key, groups[g], index, rank).key: None
-                     for key, g, index, _ in job.pages if groups[g].tp_replicas == 1
+        return list({store_key(self.layout, key, groups[g], rank): None
+                     for key, g, _, _ in job.pages if groups[g].tp_replicas == 1
                      for rank in range(self.layout.tp_size)})
 
     def _unpin(self, job_id: int, reports: int) -> None:

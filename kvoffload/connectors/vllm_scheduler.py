@@ -290,15 +290,19 @@ class _Scheduler:
         del self._pinned[job_id]
         if pinned.blocks:
             self._block_pool.free_blocks(pinned.blocks)
-        self._in_flight.subtract(pinned.keys)
-        for key in pinned.keys:
-            if self._in_flight[key] <= 0:
-                del self._in_flight[key]
+        in_flight = self._in_flight
+        for key in pinned.keys:  # a job's keys are distinct
+            if in_flight[key] > 1:
+                in_flight[key] -= 1
+            else:
+                del in_flight[key]
 
     def _save_job(self, req_id, state, scheduled, computed, block_state, handoffs) -> SaveJob | None:
         """The request's save job this step; None when it has nothing to save (a decode step: its block
         table is not even asked for)."""
         full = min((computed + scheduled) // self.block_size, len(state.block_keys))
+        if full <= state.saved_blocks and not handoffs:
+            return None
         pages: list[tuple[bytes, int, int, int]] = []
         tables = block_state.get_block_ids(req_id) if block_state is not None and full > state.saved_blocks else None
         if tables is not None:

@@ -145,11 +145,13 @@ HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connec
 
 
 def _time_connector_hooks(kv_transfer_config: dict | None) -> list[float]:
-    """Wrap every hook of the configured connector class with a timer; returns the running total."""
+    """Wrap every hook of the configured connector class with a timer; returns the running total. A hook
+    called from another (request_finished_all_groups -> request_finished) is inside the outer one's time,
+    so only the outermost call counts."""
     import functools
     import importlib
 
-    total = [0.0]
+    total, depth = [0.0], [0]
     if not kv_transfer_config or "kv_connector_module_path" not in kv_transfer_config:
         return total
     module = importlib.import_module(kv_transfer_config["kv_connector_module_path"])
@@ -160,11 +162,15 @@ def _time_connector_hooks(kv_transfer_config: dict | None) -> list[float]:
             continue
 
         def timed(*args, __fn=fn, **kwargs):
+            depth[0] += 1
             t0 = time.perf_counter()
             try:
                 return __fn(*args, **kwargs)
             finally:
-                total[0] += time.perf_counter() - t0
+                elapsed = time.perf_counter() - t0
+                depth[0] -= 1
+                if depth[0] == 0:
+                    total[0] += elapsed
 
         setattr(cls, name, functools.wraps(fn)(timed))
     return total

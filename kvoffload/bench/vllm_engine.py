@@ -5,7 +5,8 @@ them and a slow minute on a shared machine lands on every configuration alike.
 
 Commands (one JSON object per line on the child's stdin; one JSON reply per line on a private pipe):
     {"op": "ttft", "prompts": [[ids]]}   each prompt alone, one output token: seconds, cached tokens
-    {"op": "steps", "prompts": [[ids]], "max_tokens": n}   one batch: seconds and engine steps
+    {"op": "steps", "prompts": [[ids]], "max_tokens": n}   one batch: seconds, engine steps, CPU seconds of
+        the calling thread (in-process engines: the engine's) and of the whole process
     {"op": "generate", "prompts": [[ids] or {"tokens": [ids], "cache_salt": s, "lora": dir}], "max_tokens": n}
         one greedy batch (a prompt may carry a cache salt and a LoRA adapter directory): per prompt its tokens and
         the scheduler's local / external (connector) split of its cached tokens; the round's deltas of
@@ -376,9 +377,12 @@ def _child(spec_json: str, reply_fd: str) -> None:
             params = SamplingParams(temperature=0.0, max_tokens=command["max_tokens"], ignore_eos=True,
                                     detokenize=False)
             steps[0], hooks_before = 0, hook_seconds[0]
-            t0 = time.perf_counter()
+            t0, thread0, process0 = time.perf_counter(), time.thread_time(), time.process_time()
             outs = llm.generate([{"prompt_token_ids": p} for p in command["prompts"]], params, use_tqdm=False)
-            reply({"seconds": time.perf_counter() - t0, "steps": steps[0], "connector_seconds": hook_seconds[0] - hooks_before,
+            reply({"seconds": time.perf_counter() - t0, "steps": steps[0],
+                   "connector_seconds": hook_seconds[0] - hooks_before,
+                   "thread_cpu_seconds": time.thread_time() - thread0,
+                   "process_cpu_seconds": time.process_time() - process0,
                    "cached_tokens": sum(o.num_cached_tokens for o in outs)})
         elif command["op"] == "generate":
             reply(_generate(llm, command, prefill))

@@ -13,7 +13,8 @@ the medians of each engine's own batches, the median over batches of each batch'
 batch without a connector (paired) cancels it. The engine thread's CPU time leaves out the time it was
 descheduled, the bulk of the noise on a busy box; it also leaves out the background thread's work,
 which the process CPU time counts.
-Step time = a batch's `generate` time / the engine steps it took."""
+Step time = a batch's `generate` time / the engine steps it took; one untimed batch first on every engine
+(the first batch of a shape pays the CPU kernels' set-up, many times a step)."""
 
 from __future__ import annotations
 
@@ -70,13 +71,15 @@ def run(quick: bool = False, progress=None) -> dict:
     batches, batch_size, prompt_tokens, max_tokens = (2, 2, 96, 8) if quick else (24, 4, 512, 32)
     gen = torch.Generator().manual_seed(11)
     work = [[torch.randint(3, 512, (prompt_tokens,), generator=gen).tolist() for _ in range(batch_size)]
-            for _ in range(batches)]
+            for _ in range(batches + 1)]  # the first one warms every engine up, untimed
     say = progress or (lambda message: None)
     rows = {name: [] for name in NAMES}
     with tempfile.TemporaryDirectory(prefix="kvoffload-overhead-") as tmp:
         with engines(NAMES, tmp, prompt_tokens + max_tokens + 64, lambda m: say(f"[bench overhead] {m}"),
                      in_process=True) as running:
-            for i, batch in enumerate(work):
+            for name in NAMES:  # the batch's shapes seen once (the CPU kernels' first-use set-up)
+                running[name].call("steps", prompts=work[0], max_tokens=max_tokens)
+            for i, batch in enumerate(work[1:]):
                 order = NAMES[i % len(NAMES):] + NAMES[:i % len(NAMES)]
                 for name in order:
                     rows[name].append(running[name].call("steps", prompts=batch, max_tokens=max_tokens))

@@ -14,7 +14,7 @@ from ..spec.vllm import KindsLayout, check_agreement, from_vllm
 from ..store import shared_store
 from .jobs import Jobs
 from .offloader import Offloader
-from .plan import page, writes
+from .plan import Page, store_key, writes
 from .transfer import make_transfer
 from .vllm_metrics import COUNTERS, KVOffloadStats
 from .vllm_shared import KVOffloadMetadata, StoredPages
@@ -39,6 +39,7 @@ class _Worker:
         self._model_id = model_id
         self._report = StoredPages()
         self._last_counters: dict[str, int] = {}
+        self._written: dict = {}
         self._stats_due = False  # a job was reported since the last stats: its counters may have moved
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -59,6 +60,8 @@ class _Worker:
         store = shared_store(self.store_url, fingerprint=layout.fingerprint)
         store.claim(self.namespace)
         self.offloader = Offloader(store, layout, transfer)
+        # Group index -> group, for the groups whose pages this rank stores (one rank per set of replicas).
+        self._written = {i: g for i, g in enumerate(layout.groups) if writes(layout, g)}
         self.jobs = Jobs(self.offloader, name=f"kvoffload-tp{self.tp_rank}")
         self.layout = layout
         log.info("KVOffloadConnector: %s, %d bytes stored per block", self.store_url,
@@ -107,10 +110,10 @@ class _Worker:
         """Submit this step's saves (after the forward that computed them); nothing waits here."""
         if not isinstance(meta, KVOffloadMetadata) or self.jobs is None:
             return
-        layout = self.offloader.layout
+        layout, written = self.offloader.layout, self._written
         for job in meta.saves:  # this rank's keys; a replicated group's pages only on its writing rank
-            pages = [page(layout, key, layout.groups[g], index, block=block) for key, g, index, block in job.pages
-                     if writes(layout, layout.groups[g])]
+            pages = [Page(store_key(layout, key, written[g]), written[g], index, block)
+                     for key, g, index, block in job.pages if g in written]
             self._saving[job.req_id] += 1
             self.jobs.submit_save((job.job_id, job.req_id), pages)
         self._awaited.update(meta.await_saves)

@@ -40,6 +40,7 @@ def test_step_times_are_compared_per_batch():
     out = summarize(rows)
     assert out["results"]["none"] == {"step_ms": 100.0, "step_cpu_ms": 50.0, "step_process_cpu_ms": 100.0,
                                       "batch_ms": 1000.0, "steps_per_batch": 10, "connector_ms_per_step": 0.0}
+    assert out["per_batch"]["kvoffload_memory"]["step_ms"] == [110.0, 220.0, 220.0]
     assert out["overhead_percent"]["kvoffload_memory"] == 10.0  # ratios 1.1, 2.2, 1.1
     assert out["overhead_unpaired_percent"]["kvoffload_memory"] == 120.0  # median 220 ms vs 100 ms
     assert out["overhead_cpu_percent"]["kvoffload_memory"] == 10.0

@@ -57,7 +57,9 @@ def summarize(rows: dict[str, list[dict]]) -> dict:
 
     others = [name for name in rows if name != "none"]
     base = results["none"]["step_ms"]
-    return {"results": results,
+    batches = {name: {key: [round(per_step(r, field), 3) for r in measured] for key, field in MEASURES.items()}
+               for name, measured in rows.items()}
+    return {"results": results, "per_batch": batches,
             "connector_hooks_percent_of_step": {name: round(results[name]["connector_ms_per_step"] / base * 100, 2)
                                                 for name in OURS},
             "overhead_percent": {name: paired(name, "none", "seconds") for name in others},

@@ -96,3 +96,20 @@ def test_request_salt_frames_every_part_a_client_cannot_forge_another():
     salts = {request_salt(s, lora=l, mm_ids=m) for s in (None, "x", "lora") for l in (None, "x", "lora")
              for m in ((), ("x",), ("x", "y"))}
     assert len(salts) == 3 * 3 * 3  # all distinct (one of them None: no salt at all)
+
+
+def test_keys_are_pinned_byte_for_byte():
+    """Stored entries outlive the code: these digests (from the first released key scheme) must never
+    change, whatever form the token ids come in or however the hashing is computed."""
+    import numpy as np
+
+    from kvoffload.spec import shard_key
+
+    chain = KeyChain(b"fp", 4, "ns")
+    keys = chain.keys(list(range(10)))  # two full blocks; the partial third has no key
+    assert [k.hex() for k in keys] == ["93f8d594c364c913e40243fb288e04ea", "5d99e70016b7a45c139c4218e505bc96"]
+    assert chain.with_salt("s").keys(np.arange(8))[1].hex() == "747724f971165c1258fc6fe49a96b2ce"
+    assert chain.block_key(None, [0, 1, 2, 3]) == keys[0] and chain.block_key(keys[0], (4, 5, 6, 7)) == keys[1]
+    assert chain.keys([8, 9, 10, 11], parent=keys[1]) == chain.keys(list(range(12)))[2:]
+    assert page_key(keys[1], "g0").hex() == "0df2871eee9c933aee454f189d50f79d"
+    assert shard_key(keys[0], 1, 2).hex() == "5ee30dbe658194ef6d3b05dd9b495f63"

@@ -5,6 +5,7 @@ import os
 import numpy as np
 import pytest
 
+from conftest import store_urls
 from kvoffload import open_store
 
 
@@ -101,3 +102,19 @@ def test_header_record_corruption_is_a_miss(tmp_path):
     with open_store(url) as store:
         assert store.get(b"key1") is None
         assert store.stats()["length_mismatch"] == 1
+
+
+@pytest.mark.parametrize("tier", ["lmdb", "tiered"])
+def test_counter_reads_what_stats_reports_without_usage(tmp_path, tier):
+    """`counter` is the per-step form of `stats()` (vLLM's worker metrics): the same figures, a tiered
+    store's checksum failures being its disk tier's."""
+    url = store_urls(tmp_path)[tier]
+    values = _fill(url, n=6)
+    path = f"{tmp_path}/{tier}/data.mdb"
+    _flip_inside(path, values[b"key2"][:64], 100)
+    with open_store(url) as store:
+        assert store.get(b"key2") is None and store.get(b"key3") == values[b"key3"] and store.get(b"none") is None
+        stats = store.stats()
+        assert stats["checksum_failures"] == 1
+        for name in (*store.COUNTERS, "checksum_failures"):
+            assert store.counter(name) == stats[name], name

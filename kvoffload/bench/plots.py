@@ -62,9 +62,10 @@ def _vllm_ttft(ax, result):
 
 def _overhead(ax, result):
     names = list(result["results"])
-    _bars(ax, names, {"step ms": [result["results"][n]["step_ms"] for n in names],
-                      "ms inside the connector's hooks": [result["results"][n].get("connector_ms_per_step", 0)
-                                                          for n in names]})
+    rows = result["results"]
+    _bars(ax, names, {"step ms": [rows[n]["step_ms"] for n in names],
+                      "engine thread CPU ms": [rows[n].get("step_cpu_ms", 0) for n in names],
+                      "ms inside the connector's hooks": [rows[n].get("connector_ms_per_step", 0) for n in names]})
     ax.set(ylabel="ms per engine step", title="Connector cost with no hits (vLLM CPU engine)")
 
 

@@ -99,7 +99,7 @@ def run(quick: bool = False, progress=None) -> dict:
                                                                   for r in measured) * 1e3, 1),
                          "cached_tokens": statistics.median(cached), **counters}
     ratio = results["tiered_prefetch"]["after_slot_ms"] / results["tiered_no_prefetch"]["after_slot_ms"]
-    say(f"[bench prefetch] after the slot freed: " + ", ".join(f"{k} {v['after_slot_ms']} ms" for k, v in results.items())
+    say("[bench prefetch] after the slot freed: " + ", ".join(f"{k} {v['after_slot_ms']} ms" for k, v in results.items())
         + f"; prefetch / no prefetch = {ratio:.2f}")
     return {"benchmark": "prefetch", "quick": quick, "machine": machine(),
             "workload": {"rounds": rounds, "prefix_tokens": prefix_tokens, "first_max_tokens": first_tokens,

@@ -5,7 +5,8 @@ them and a slow minute on a shared machine lands on every configuration alike.
 
 Commands (one JSON object per line on the child's stdin; one JSON reply per line on a private pipe):
     {"op": "ttft", "prompts": [[ids]]}   each prompt alone, one output token: seconds, cached tokens
-    {"op": "steps", "prompts": [[ids]], "max_tokens": n}   one batch: seconds and engine steps
+    {"op": "steps", "prompts": [[ids]], "max_tokens": n}   one batch: seconds, engine steps, CPU seconds of
+        the calling thread (in-process engines: the engine's) and of the whole process
     {"op": "generate", "prompts": [[ids] or {"tokens": [ids], "cache_salt": s, "lora": dir}], "max_tokens": n}
         one greedy batch (a prompt may carry a cache salt and a LoRA adapter directory): per prompt its tokens and
         the scheduler's local / external (connector) split of its cached tokens; the round's deltas of
@@ -149,11 +150,13 @@ HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connec
 
 
 def _time_connector_hooks(kv_transfer_config: dict | None) -> list[float]:
-    """Wrap every hook of the configured connector class with a timer; returns the running total."""
+    """Wrap every hook of the configured connector class with a timer; returns the running total. A hook
+    called from another (request_finished_all_groups -> request_finished) is inside the outer one's time,
+    so only the outermost call counts."""
     import functools
     import importlib
 
-    total = [0.0]
+    total, depth = [0.0], [0]
     if not kv_transfer_config or "kv_connector_module_path" not in kv_transfer_config:
         return total
     module = importlib.import_module(kv_transfer_config["kv_connector_module_path"])
@@ -164,11 +167,15 @@ def _time_connector_hooks(kv_transfer_config: dict | None) -> list[float]:
             continue
 
         def timed(*args, __fn=fn, **kwargs):
+            depth[0] += 1
             t0 = time.perf_counter()
             try:
                 return __fn(*args, **kwargs)
             finally:
-                total[0] += time.perf_counter() - t0
+                elapsed = time.perf_counter() - t0
+                depth[0] -= 1
+                if depth[0] == 0:
+                    total[0] += elapsed
 
         setattr(cls, name, functools.wraps(fn)(timed))
     return total
@@ -412,9 +419,12 @@ def _child(spec_json: str, reply_fd: str) -> None:
             params = SamplingParams(temperature=0.0, max_tokens=command["max_tokens"], ignore_eos=True,
                                     detokenize=False)
             steps[0], hooks_before = 0, hook_seconds[0]
-            t0 = time.perf_counter()
+            t0, thread0, process0 = time.perf_counter(), time.thread_time(), time.process_time()
             outs = llm.generate([{"prompt_token_ids": p} for p in command["prompts"]], params, use_tqdm=False)
-            reply({"seconds": time.perf_counter() - t0, "steps": steps[0], "connector_seconds": hook_seconds[0] - hooks_before,
+            reply({"seconds": time.perf_counter() - t0, "steps": steps[0],
+                   "connector_seconds": hook_seconds[0] - hooks_before,
+                   "thread_cpu_seconds": time.thread_time() - thread0,
+                   "process_cpu_seconds": time.process_time() - process0,
                    "cached_tokens": sum(o.num_cached_tokens for o in outs)})
         elif command["op"] == "generate":
             reply(_generate(llm, command, prefill))

@@ -67,6 +67,8 @@ class Jobs:
 
     def poll(self) -> list[JobResult]:
         """The results of the jobs finished since the last poll, in completion order."""
+        if not self._results:  # the engine polls every step: no lock when nothing finished (one is seen next poll)
+            return []
         with self._cond:
             results, self._results = self._results, []
         return results

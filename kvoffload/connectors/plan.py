@@ -40,13 +40,17 @@ def physical_block(table: BlockTable, group: CacheGroup, index: int) -> int:
     return table[group.index][index] if isinstance(table, Mapping) else table[index]
 
 
+def store_key(layout, block_key: bytes, group: CacheGroup, rank: int | None = None) -> bytes:
+    """The store key of one group's page of a block for `rank` (default: the layout's own TP rank; a
+    scheduler's rank-free view names rank 0's): `page(...).key` without building the page."""
+    rank = getattr(layout, "tp_rank", 0) if rank is None else rank
+    return page_key(shard_key(block_key, rank, layout.tp_size, group.tp_replicas), group.name)
+
+
 def page(layout, block_key: bytes, group: CacheGroup, index: int, rank: int | None = None,
          block: int | None = None) -> Page:
-    """One group's page of a block, keyed for `rank` (default: the layout's own TP rank; a scheduler's
-    rank-free view names rank 0's), at physical `block` if given."""
-    rank = getattr(layout, "tp_rank", 0) if rank is None else rank
-    return Page(page_key(shard_key(block_key, rank, layout.tp_size, group.tp_replicas), group.name), group, index,
-                block)
+    """One group's page of a block, keyed for `rank` (see `store_key`), at physical `block` if given."""
+    return Page(store_key(layout, block_key, group, rank), group, index, block)
 
 
 def writes(layout: CacheLayout, group: CacheGroup) -> bool:
@@ -61,10 +65,11 @@ def _pages(layout, block_keys: Sequence[bytes], blocks: Iterable[int], kind: Gro
             for i in blocks for g in groups]
 
 
-def _every_rank(layout, block_keys: Sequence[bytes], blocks: range, kind: GroupKind) -> list[Page]:
-    """The pages of `blocks` on every TP rank, each shared key once."""
-    pages = (p for rank in range(layout.tp_size) for p in _pages(layout, block_keys, blocks, kind, rank))
-    return list({p.key: p for p in pages}.values())
+def _every_rank(layout, block_keys: Sequence[bytes], blocks: range, kind: GroupKind) -> dict[bytes, int]:
+    """The store keys of `blocks`' pages on every TP rank (each shared key once) -> their block index."""
+    groups = [g for g in layout.cacheable_groups if g.kind is kind]
+    return {store_key(layout, block_keys[i], g, rank): i
+            for rank in range(layout.tp_size) for i in blocks for g in groups}
 
 
 def max_hit_blocks(layout: CacheLayout, num_prompt_tokens: int) -> int:
@@ -83,12 +88,17 @@ def hit_blocks(layout: CacheLayout, block_keys: Sequence[bytes], num_prompt_toke
         return start
     paged = _every_rank(layout, block_keys, range(start, limit), GroupKind.PAGED)
     state = _every_rank(layout, block_keys, range(start, limit), GroupKind.STATE)
-    present = dict(zip((p.key for p in paged + state), contains([p.key for p in paged + state])))
+    found = iter(contains([*paged, *state]))  # in that order: the paged answers, then the state ones
+    paged_ok, state_ok = [True] * (limit - start), [True] * (limit - start)  # per block: every page there
+    for ok, pages in ((paged_ok, paged), (state_ok, state)):
+        for index, there in zip(pages.values(), found):
+            if not there:
+                ok[index - start] = False
     blocks_per_step = layout.hit_alignment // layout.block_size
     best, i = start, start
-    while i < limit and all(present[p.key] for p in paged if p.index == i):
+    while i < limit and paged_ok[i - start]:
         i += 1
-        if i % blocks_per_step == 0 and all(present[p.key] for p in state if p.index == i - 1):
+        if i % blocks_per_step == 0 and state_ok[i - 1 - start]:
             best = i
     return best
 

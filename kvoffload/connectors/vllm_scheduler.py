@@ -13,7 +13,7 @@ from ..spec import GroupKind, KeyChain, request_salt
 from ..spec.vllm import KindsLayout
 from ..store import MemorySpec, StoreSpec, TieredSpec, parse_store_url, shared_store
 from ..store.url import redact_url
-from .plan import hit_blocks, page
+from .plan import hit_blocks, store_key
 from .vllm_events import KVEvents, medium_for
 from .vllm_shared import KVOffloadMetadata, LoadJob, PrefetchJob, SaveJob, StoredPages
 
@@ -129,6 +129,7 @@ class _Scheduler:
         self._pinned: dict[int, _PinnedJob] = {}
         self._in_flight: Counter[bytes] = Counter()
         self._await_saves: list[str] = []
+        self._loads_ready: dict[str, _RequestState] = {}  # loads allocated since the last step's metadata
         self._workers = workers
         self._events: KVEvents | None = None  # enable_events: only when vLLM publishes KV events
 
@@ -253,11 +254,13 @@ class _Scheduler:
             state.load_range = None
             return
         state.load_tables = {g: list(ids) for g, ids in enumerate(blocks.get_block_ids())}
+        self._loads_ready[request.request_id] = state
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVOffloadMetadata:
         meta = KVOffloadMetadata()
-        for req_id, state in self._requests.items():
-            if state.load_range is not None and state.load_tables is not None:
+        ready, self._loads_ready = self._loads_ready, {}
+        for req_id, state in ready.items():
+            if self._requests.get(req_id) is state and state.load_range is not None and state.load_tables is not None:
                 start, end = state.load_range
                 meta.loads.append(LoadJob(req_id, state.block_keys[:end], start, end, state.load_tables))
                 state.load_range = state.load_tables = None
@@ -265,20 +268,21 @@ class _Scheduler:
                 state.loaded = (start, end)
         block_state = scheduler_output.kv_connector_block_state
         handoffs = block_state.boundary_state_offloads if block_state is not None else {}
+        computed = self._num_computed(scheduler_output)
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
             if state is None:
                 continue
-            job = self._save_job(req_id, state, scheduled, scheduler_output, block_state,
-                                 handoffs.get(req_id, []))
-            if job.pages:
+            job = self._save_job(req_id, state, scheduled, computed.get(req_id, 0), block_state,
+                                 handoffs.get(req_id, ()))
+            if job is not None:
                 if self._events is not None and state.request is not None:
                     self._events.saved(state.request, state.block_keys, [index for _, _, index, _ in job.pages])
                 self._pin(job)
                 state.sent_saves = True
                 meta.saves.append(job)
         meta.await_saves, self._await_saves = self._await_saves, []
-        meta.idle = not scheduler_output.total_num_scheduled_tokens
+        meta.idle = not scheduler_output.num_scheduled_tokens
         if self._arrived or self._prefetching:
             self._prefetch_meta(meta, {*scheduler_output.num_scheduled_tokens, *(j.req_id for j in meta.loads)})
         meta.clear_store, self._clear_workers = self._resets if self._clear_workers else 0, False
@@ -329,8 +333,8 @@ class _Scheduler:
         its own saves, in order. A page ranks share (written by one rank, read by all) is not among
         them: it counts only once it is stored."""
         groups = {g.index: g for g in self.layout.cacheable_groups}
-        return list({page(self.layout, key, groups[g], index, rank).key: None
-                     for key, g, index, _ in job.pages if groups[g].tp_replicas == 1
+        return list({store_key(self.layout, key, groups[g], rank): None
+                     for key, g, _, _ in job.pages if groups[g].tp_replicas == 1
                      for rank in range(self.layout.tp_size)})
 
     def _unpin(self, job_id: int, reports: int) -> None:
@@ -343,17 +347,22 @@ class _Scheduler:
         del self._pinned[job_id]
         if pinned.blocks:
             self._block_pool.free_blocks(pinned.blocks)
-        self._in_flight.subtract(pinned.keys)
-        for key in pinned.keys:
-            if self._in_flight[key] <= 0:
-                del self._in_flight[key]
+        in_flight = self._in_flight
+        for key in pinned.keys:  # a job's keys are distinct
+            if in_flight[key] > 1:
+                in_flight[key] -= 1
+            else:
+                del in_flight[key]
 
-    def _save_job(self, req_id, state, scheduled, scheduler_output, block_state, handoffs) -> SaveJob:
-        computed = self._num_computed(req_id, scheduler_output)
+    def _save_job(self, req_id, state, scheduled, computed, block_state, handoffs) -> SaveJob | None:
+        """The request's save job this step; None when it has nothing to save (a decode step: its block
+        table is not even asked for)."""
         full = min((computed + scheduled) // self.block_size, len(state.block_keys))
+        if full <= state.saved_blocks and not handoffs:
+            return None
         pages: list[tuple[bytes, int, int, int]] = []
-        tables = block_state.get_block_ids(req_id) if block_state is not None else None
-        if tables is not None and full > state.saved_blocks:
+        tables = block_state.get_block_ids(req_id) if block_state is not None and full > state.saved_blocks else None
+        if tables is not None:
             for g, kind in enumerate(self.kinds):
                 if kind is GroupKind.PAGED:
                     pages += [(state.block_keys[i], g, i, tables[g][i]) for i in range(state.saved_blocks, full)]
@@ -366,18 +375,15 @@ class _Scheduler:
                     # it after a failed load would store stale bytes as this prefix's checkpoint.
                     and not state.loaded[0] <= index < state.loaded[1]):
                 pages.append((state.block_keys[index], group_id, index, block_id))
-        return SaveJob(req_id, pages)
+        return SaveJob(req_id, pages) if pages else None
 
     @staticmethod
-    def _num_computed(req_id: str, scheduler_output) -> int:
-        for new in scheduler_output.scheduled_new_reqs:
-            if new.req_id == req_id:
-                return new.num_computed_tokens
+    def _num_computed(scheduler_output) -> dict[str, int]:
+        """Computed tokens of every scheduled request, indexed once a step (not scanned per request)."""
         cached = scheduler_output.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            if rid == req_id:
-                return cached.num_computed_tokens[i]
-        return 0
+        computed = dict(zip(cached.req_ids, cached.num_computed_tokens))
+        computed.update((new.req_id, new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs)
+        return computed
 
     def update_connector_output(self, connector_output) -> None:
         report = getattr(connector_output, "kv_connector_worker_meta", None)

@@ -15,7 +15,7 @@ from ..spec.vllm import KindsLayout, check_agreement, from_vllm
 from ..store import shared_store
 from .jobs import Jobs
 from .offloader import Offloader
-from .plan import page, pages_for_load, writes
+from .plan import Page, pages_for_load, store_key, writes
 from .prefetch import Prefetcher
 from .transfer import make_transfer
 from .vllm_metrics import COUNTERS, KVOffloadStats
@@ -54,6 +54,8 @@ class _Worker:
         self._report_evictions = report_evictions
         self._evicted: dict[bytes, None] = {}  # filled by the threads that write the store
         self._evicted_lock = threading.Lock()
+        self._written: dict = {}
+        self._stats_due = False  # a job was reported since the last stats: its counters may have moved
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         try:  # the worker's own tensor-parallel rank, once vLLM's process groups exist
@@ -75,6 +77,8 @@ class _Worker:
         if self._report_evictions:
             store.watch_evictions(self._on_evicted)
         self.offloader = Offloader(store, layout, transfer)
+        # Group index -> group, for the groups whose pages this rank stores (one rank per set of replicas).
+        self._written = {i: g for i, g in enumerate(layout.groups) if writes(layout, g)}
         self.jobs = Jobs(self.offloader, name=f"kvoffload-tp{self.tp_rank}")
         front = getattr(store, "front", None)  # prefetch fills a memory tier in front of a slower one
         budget = front.capacity // 4 if self._prefetch_budget is None and front is not None else self._prefetch_budget
@@ -108,12 +112,16 @@ class _Worker:
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Loads and saves finished since the last step. A failed load is also 'finished' so the request
         leaves its wait state, and vLLM recomputes it; a finished request is 'sent' once its saves ran."""
-        done, failed = set(), set()
         if self._idle_step and self.jobs is not None and self.jobs.pending:
             # Nothing to compute this step (requests wait for loads): sleep briefly for a result instead
             # of letting the engine loop spin against the (niced) job thread on a busy machine.
             self.jobs.wait_results(IDLE_WAIT_S)
-        for result in self.jobs.poll() if self.jobs is not None else ():
+        results = self.jobs.poll() if self.jobs is not None else ()
+        if not results and not self._awaited:  # most steps: nothing finished, nobody waits
+            return KVConnectorTransferResults()
+        self._stats_due = self._stats_due or bool(results)
+        done, failed = set(), set()
+        for result in results:
             if result.kind == "load":
                 done.add(result.job_id)
                 if not result.ok:
@@ -136,10 +144,10 @@ class _Worker:
         """Submit this step's saves (after the forward that computed them); nothing waits here."""
         if not isinstance(meta, KVOffloadMetadata) or self.jobs is None:
             return
-        layout = self.offloader.layout
+        layout, written = self.offloader.layout, self._written
         for job in meta.saves:  # this rank's keys; a replicated group's pages only on its writing rank
-            pages = [page(layout, key, layout.groups[g], index, block=block) for key, g, index, block in job.pages
-                     if writes(layout, layout.groups[g])]
+            pages = [Page(store_key(layout, key, written[g]), written[g], index, block)
+                     for key, g, index, block in job.pages if g in written]
             self._saving[job.req_id] += 1
             self.jobs.submit_save((job.job_id, job.req_id), pages)
         self._awaited.update(meta.await_saves)
@@ -151,21 +159,27 @@ class _Worker:
             self._evicted.update(dict.fromkeys(keys[:max(room, 0)]))
 
     def build_connector_worker_meta(self) -> StoredPages | None:
-        report, self._report = self._report, StoredPages()
+        report = self._report
         if self._report_evictions:
             with self._evicted_lock:
                 evicted, self._evicted = self._evicted, {}
             report.evicted.update(evicted)
-        return report if (report.added or report.missing or report.done_jobs or report.cleared
-                          or report.evicted) else None
+        if not (report.added or report.missing or report.done_jobs or report.cleared or report.evicted):
+            return None
+        self._report = StoredPages()
+        return report
 
     def get_kv_connector_stats(self) -> KVOffloadStats | None:
-        if self.offloader is None:
+        """The counters' change since the last report. They move only inside jobs (the store's checksum
+        failures too: a load's reads), and a job's counts precede its result, so they are read only on
+        a step that polled a result, never on the idle ones."""
+        if self.offloader is None or not self._stats_due:
             return None
+        self._stats_due = False
         now = dict(self.offloader.counters)
         if self.prefetcher is not None:
             now.update(self.prefetcher.counters)
-        now["checksum_failures"] = int(self.offloader.store.stats().get("checksum_failures", 0))
+        now["checksum_failures"] = self.offloader.store.counter("checksum_failures")  # stats(): I/O per step
         last, self._last_counters = self._last_counters, now
         delta = {k: now.get(k, 0) - last.get(k, 0) for k in COUNTERS}
         return KVOffloadStats(data=delta) if any(delta.values()) else None

@@ -53,6 +53,9 @@ class KeyChain:
         self.context = hashlib.blake2b(
             _framed(bytes(fingerprint), _as_bytes(namespace), _as_bytes(salt)),
             digest_size=KEY_BYTES, person=_PERSON_CONTEXT).digest()
+        # The block hash with its framed context already fed: each block key copies it (a lookup keys a
+        # whole prompt on the engine's thread).
+        self._block_hash = hashlib.blake2b(_framed(self.context), digest_size=KEY_BYTES, person=_PERSON_BLOCK)
 
     def with_salt(self, salt: bytes | str | None) -> KeyChain:
         """The same chain under a per-request salt (cache isolation between tenants)."""
@@ -61,16 +64,23 @@ class KeyChain:
     def block_key(self, parent: bytes | None, block_tokens: Sequence[int]) -> bytes:
         if len(block_tokens) != self.block_size:
             raise ValueError(f"a block holds {self.block_size} tokens, got {len(block_tokens)}")
-        tokens = np.asarray(block_tokens, dtype="<i8").tobytes()
-        return hashlib.blake2b(_framed(self.context, parent or b"", tokens), digest_size=KEY_BYTES,
-                               person=_PERSON_BLOCK).digest()
+        return self._next(parent, np.asarray(block_tokens, dtype="<i8").tobytes())
+
+    def _next(self, parent: bytes | None, tokens: bytes) -> bytes:
+        """BLAKE2b-128(_framed(context, parent, tokens)), the context's part precomputed, the rest framed inline."""
+        parent = parent or b""
+        h = self._block_hash.copy()
+        h.update(len(parent).to_bytes(8, "little") + parent + len(tokens).to_bytes(8, "little") + tokens)
+        return h.digest()
 
     def keys(self, token_ids: Sequence[int], parent: bytes | None = None) -> list[bytes]:
         """Keys of every full block of `token_ids` (a trailing partial block has none)."""
         keys = []
-        bs = self.block_size
-        for start in range(0, len(token_ids) - bs + 1, bs):
-            parent = self.block_key(parent, token_ids[start:start + bs])
+        step = self.block_size * 8  # bytes of one block's "<i8" tokens
+        n = len(token_ids) // self.block_size * self.block_size
+        data = np.asarray(token_ids[:n], dtype="<i8").tobytes()  # one conversion for the whole prompt
+        for at in range(0, len(data), step):
+            parent = self._next(parent, data[at:at + step])
             keys.append(parent)
         return keys
 
@@ -90,5 +100,10 @@ def shard_key(block_key: bytes, tp_rank: int, tp_size: int, tp_replicas: int = 1
 
 def page_key(block_key: bytes, group: str) -> bytes:
     """The store key of one group's page (or checkpoint) for the prefix a block key names."""
-    return hashlib.blake2b(_framed(block_key, group.encode()), digest_size=KEY_BYTES,
-                           person=_PERSON_PAGE).digest()
+    name = group.encode()
+    h = _PAGE_HASH.copy()
+    h.update(len(block_key).to_bytes(8, "little") + block_key + len(name).to_bytes(8, "little") + name)  # _framed
+    return h.digest()
+
+
+_PAGE_HASH = hashlib.blake2b(digest_size=KEY_BYTES, person=_PERSON_PAGE)  # copied: cheaper than a new one

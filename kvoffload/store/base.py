@@ -201,6 +201,12 @@ class Store(ABC):
             counters = dict(self._counters)
         return {"url": self.url, "capacity": self.capacity, **counters, **self._usage()}
 
+    def counter(self, name: str) -> int:
+        """`stats()[name]` for one of its counters, without the tier's usage figures (no I/O, no
+        transaction): cheap enough to read on every engine step."""
+        with self._counter_lock:
+            return self._counters.get(name, 0)
+
     def __enter__(self) -> Store:
         return self
 

@@ -553,6 +553,10 @@ class TieredStore(Store):
             usage["admission_waiting"] = len(self._uses)
         return usage
 
+    def counter(self, name: str) -> int:
+        """As `stats()` reports it: evictions and checksum failures are the back tier's (`_usage`)."""
+        return self.back.counter(name) if name in ("evictions", "checksum_failures") else super().counter(name)
+
     def close(self) -> None:
         """Flush (at most CLOSE_FLUSH_SECONDS), stop the writer, close both tiers. A writer still stuck
         in the back leaves both tiers open: it holds views into the front."""

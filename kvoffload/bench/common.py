@@ -38,6 +38,14 @@ def drop_page_cache() -> str:
         return f"warm (could not drop the page cache: {exc.strerror})"
 
 
+# OMP_NUM_THREADS of in-process vLLM CPU engines in the step-time benchmarks (`stall`, `overhead`): one
+# compute thread leaves a core to the connector's background threads and the OS, as a GPU server leaves
+# its CPU cores free of the forward (and as vLLM's CPU backend reserves cores for the serving process).
+# With two OpenMP threads on a 2-core machine any other runnable thread preempts one of them and the
+# other spins at the barrier, which measures the machine's contention, not the connector.
+ENGINE_THREADS = "1"
+
+
 def write_result(name: str, result: dict, out_dir: str | None) -> str | None:
     if out_dir is None:
         return None

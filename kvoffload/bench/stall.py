@@ -41,14 +41,13 @@ from unittest import mock
 
 import torch
 
-from .common import machine
+from .common import ENGINE_THREADS, machine
 from .vllm_engine import Engine
 from .vllm_models import tiny_llama
 from .vllm_ttft import BLOCK, MODEL, connector_configs
 
 NAMES = ["none", "kvoffload_lmdb", "kvoffload_tiered"]
 TARGET_P99_RATIO = 1.1
-ENGINE_THREADS = "1"  # OMP_NUM_THREADS of the engines (see the module docstring)
 
 
 def _pct(values: list[float], q: float) -> float:

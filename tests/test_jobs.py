@@ -201,3 +201,27 @@ def test_wait_results_returns_with_the_first_result_or_at_once_when_idle():
         assert [r.job_id for r in jobs.poll()] == ["s"]
     finally:
         jobs.close()
+
+
+def test_a_long_host_load_is_read_in_slices_and_stays_byte_exact():
+    """A background host load hands the GIL back every SAVE_SLICE pages, as a save does: the engine's
+    thread never waits a whole switch interval behind a long prefix."""
+    from kvoffload.connectors.jobs import SAVE_SLICE
+
+    cache, store, offloader = _setup(blocks=96)
+    jobs = Jobs(offloader)
+    try:
+        n = 40
+        keys, source, target = _keys("slice", n), list(range(n)), list(range(48, 48 + n))
+        jobs.submit_save("s", _save_pages(offloader, keys, source))
+        _drained(jobs)
+        calls = []
+        read_many = store.read_many
+        store.read_many = lambda ks, consume: (calls.append(len(ks)), read_many(ks, consume))[1]
+        jobs.submit_load("l", keys, 0, n, target)
+        _drained(jobs)
+        assert [r.ok for r in jobs.poll() if r.job_id == "l"] == [True]
+        assert len(calls) > 1 and max(calls) <= SAVE_SLICE, calls
+        assert _same(offloader, source, target, n)
+    finally:
+        jobs.close()

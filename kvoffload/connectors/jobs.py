@@ -25,7 +25,7 @@ from .plan import BlockTable, Page
 
 log = logging.getLogger(__name__)
 
-SAVE_SLICE = 16  # pages per store call in a save job (see Jobs._save)
+SAVE_SLICE = 16  # pages per store call in a host save or load job (see Jobs._save)
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,9 @@ class Jobs:
                 self._cond.notify_all()
 
     def _load(self, job_id, block_keys, start, end, block_ids, fence) -> JobResult:
-        loaded = self.offloader.load(block_keys, start, end, block_ids, after=fence)
+        """Host copies in slices of SAVE_SLICE pages, as saves (see `_save`)."""
+        step = None if self.offloader.transfer.gpu else SAVE_SLICE
+        loaded = self.offloader.load(block_keys, start, end, block_ids, after=fence, step=step)
         return JobResult(job_id, "load", loaded.ok, missing=loaded.missing_keys)
 
     def _save(self, job_id, pages, fence) -> JobResult:

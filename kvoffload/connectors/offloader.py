@@ -87,15 +87,21 @@ class Offloader:
         return found
 
     def load(self, block_keys: Sequence[bytes], start: int, end: int, block_ids: BlockTable,
-             after=None) -> LoadResult:
+             after=None, step: int | None = None) -> LoadResult:
         """Restore blocks [start, end) into the request's block table; all or nothing. Any thread may
         call it (`jobs`): `after` is the transfer's fence, device work queued before it is done before
-        the load writes."""
+        the load writes. `step`: pages per transfer call, the GIL handed back between calls (a
+        background load of a long prefix then never holds the engine's thread for a switch interval)."""
         pages: list[Page] = []
         started = time.perf_counter()
         try:
             pages = pages_for_load(self.layout, block_keys, start, end, block_ids)
-            ok = self.transfer.load(self.store, pages, after=after)
+            step = step or len(pages) or 1
+            ok = []
+            for at in range(0, len(pages), step):
+                ok += self.transfer.load(self.store, pages[at:at + step], after=after)
+                if step < len(pages):
+                    time.sleep(0)
             elapsed = time.perf_counter() - started
             if all(ok) and self.observer:
                 for page in pages:

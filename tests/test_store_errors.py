@@ -283,3 +283,17 @@ def test_shared_store_fixes_the_fingerprint_at_open(tmp_path):
     assert with_layout.contains_many([b"k"]) == [True] and with_layout.get(b"k") is None  # another layout's
     assert with_layout.stats()["fingerprint_mismatch"] == 1
     with_layout.close()
+
+
+def test_a_presence_only_tiered_store_reserves_no_memory(tmp_path):
+    """vLLM's scheduler opens the store for lookups only: its memory tier (on a GPU host, a page-locked
+    arena of the whole capacity) must not be reserved there; the workers' store, with a fingerprint, is."""
+    from kvoffload.store import shared_store
+
+    url = f"tiered://?memory=64MiB&reserve=true&pinned=false&lmdb={tmp_path}/db&lmdb_capacity=64MiB"
+    presence = shared_store(url)
+    assert presence.front.stats()["arena_bytes"] == 0 and not presence.front.pinned
+    assert presence.contains_many([b"k"]) == [False]
+    store = shared_store(url, fingerprint=b"layout-A")
+    assert store is not presence and store.front.stats()["arena_bytes"] == 64 << 20
+    store.close()

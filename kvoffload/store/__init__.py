@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 from .base import Store
@@ -87,7 +88,8 @@ def shared_store(url: str, *, fingerprint: bytes | str | None = None) -> Store:
     A store's fingerprint is fixed when it opens. `fingerprint=None` asks for presence only (vLLM's
     scheduler looks keys up, never reads an entry, and cannot know the workers' byte layout): it gets
     the store open now, whatever its fingerprint, so it must ask again at each use rather than keep
-    the object. The first caller with a fingerprint replaces a store opened for presence only (closed,
+    the object; a `tiered://` store opened so reserves and page-locks no memory (only a store with a
+    fingerprint is ever written). The first caller with a fingerprint replaces a store opened for presence only (closed,
     then opened with the fingerprint: what it holds stays on disk or in Redis); a store open with
     another fingerprint is refused."""
     from .entry import normalize_fingerprint
@@ -102,6 +104,12 @@ def shared_store(url: str, *, fingerprint: bytes | str | None = None) -> Store:
             store.close()
             store = None
         if store is None:
-            store = open_store(url, fingerprint=fingerprint)
+            spec = parse_store_url(url)
+            if wanted is None and isinstance(spec, TieredSpec):
+                # Presence only (vLLM's scheduler, in its own process): its memory tier is never written,
+                # so it must not reserve or page-lock the arena the workers' stores hold.
+                spec = dataclasses.replace(spec, memory=dataclasses.replace(spec.memory, pinned=False,
+                                                                               reserve=False))
+            store = open_spec(spec, fingerprint=fingerprint, url=url)
             _shared[url] = (store, wanted)
         return store

@@ -10,7 +10,7 @@ from kvoffload import open_store
 from kvoffload.connectors.jobs import Jobs
 from kvoffload.connectors.offloader import LoadResult, Offloader
 from kvoffload.connectors.plan import pages_for_load
-from kvoffload.connectors.transfer import make_transfer
+from kvoffload.connectors.transfer import HostTransfer, make_transfer, page_spans
 
 BLOCK = 16
 
@@ -91,3 +91,55 @@ def test_a_bad_block_table_is_a_miss_of_every_page():
     result = offloader.load(keys, 0, 3, [5])  # a table shorter than the load
     assert not result.ok
     assert result.missing_keys == tuple(p.key for p in pages_for_load(offloader.layout, keys, 0, 3))
+
+
+class _DeferredWrites(HostTransfer):
+    """A host transfer that behaves like a device one: the forward's writes land only once its fence is
+    waited on (`after`), as a GPU save stream sees them only after the compute queued before the fence."""
+
+    def __init__(self, buffer):
+        super().__init__(buffer)
+        self.pending = []
+
+    def fence(self):
+        pending, self.pending = self.pending, []
+        return pending
+
+    def _wait(self, after):
+        for offset, data in after or ():
+            self.buffer[offset:offset + len(data)] = data
+
+    def gather(self, group, block, out=None, *, after=None):
+        self._wait(after)
+        return super().gather(group, block, out)
+
+    def save(self, store, pages, after=None):
+        self._wait(after)
+        return super().save(store, pages)
+
+
+def test_the_observer_sees_a_saved_page_as_the_save_reads_it_after_the_fence():
+    """The observer's copy of a page is taken after the save's fence: on a GPU a copy taken before it
+    would show the block before the forward wrote it (and verification would report a false difference)."""
+    seen = {}
+
+    class Observer:
+        def saved(self, page, data):
+            seen[page.key] = bytes(data)
+
+        def loaded(self, page):
+            pass
+
+    cache = PagedCache(preset("tiny"), BLOCK, 64)
+    store = open_store("memory://?capacity=64MiB&pinned=false")
+    transfer = _DeferredWrites(cache.buffer)
+    offloader = Offloader(store, cache.layout, transfer, Observer())
+    keys = _keys("fence", 2)
+    pages = [p for p in pages_for_load(cache.layout, keys, 0, 2, [0, 1]) if p.group.kind.name == "PAGED"]
+    for page in pages:  # the "forward": its writes are queued, visible only after the fence
+        for offset, n in page_spans(page.group, page.block):
+            transfer.pending.append((offset, np.full(n, 0xA5, dtype=np.uint8)))
+    written = offloader.save_pages(pages, after=transfer.fence())
+    assert written == pages
+    for page in pages:
+        assert bytes(store.get(page.key)) == seen[page.key] == b"\xa5" * page.group.used_bytes_per_block

@@ -363,6 +363,21 @@ def _generate(llm, command: dict, prefill: dict[str, dict]) -> dict:
     return {"rows": rows, "metrics": {k: after[k] - before.get(k, 0.0) for k in after}}
 
 
+RESET_TRIES = 200  # engine steps a reset may wait for the connector's saves in flight (~ms each)
+
+
+def _reset(llm, one, reset_connector: bool) -> bool:
+    """Empty the engine's prefix cache. vLLM refuses (False) while a connector still holds finished
+    requests' blocks for saves in flight; they are released when the engine steps, so step it with a
+    3-token prompt (under a block: nothing cached) until the reset goes through. On a GPU the first try
+    fails most of the time; without these steps a "warm" run would hit the GPU prefix cache, not the store."""
+    for _ in range(RESET_TRIES):
+        if llm.reset_prefix_cache(reset_connector=reset_connector):
+            return True
+        llm.generate([{"prompt_token_ids": [3, 4, 5]}], one, use_tqdm=False)
+    return False
+
+
 def _child(spec_json: str, reply_fd: str) -> None:
     spec = json.loads(spec_json)
     replies = os.fdopen(int(reply_fd), "w")
@@ -406,7 +421,7 @@ def _child(spec_json: str, reply_fd: str) -> None:
         if command["op"] != "generate":
             prefill.clear()  # only `generate` reads them
         if command["op"] == "reset":
-            reply({"ok": llm.reset_prefix_cache(reset_connector=command.get("reset_connector", False))})
+            reply({"ok": _reset(llm, one, command.get("reset_connector", False))})
         elif command["op"] == "ttft":
             rows = []
             for prompt in command["prompts"]:

@@ -215,8 +215,9 @@ class DeviceTransfer:
         return ok
 
     # -- the transfer interface ----------------------------------------------------------------------
-    def gather(self, group: CacheGroup, block: int) -> np.ndarray:
-        for _, views in self.pack([Page(b"", group, 0, block)]):
+    def gather(self, group: CacheGroup, block: int, *, after=None) -> np.ndarray:
+        """A copy of one page, read on the save stream after `after` (or the compute queued so far)."""
+        for _, views in self.pack([Page(b"", group, 0, block)], after):
             return views[0].copy()
         raise AssertionError("unreachable")
 

@@ -132,9 +132,9 @@ class Offloader:
         try:
             present = self.store.contains_many([p.key for p in pages])
             todo = [p for p, there in zip(pages, present) if not there]
-            if self.observer:
+            if self.observer:  # the page as the save reads it: after the fence, not before the forward wrote it
                 for page in todo:
-                    self.observer.saved(page, self.transfer.gather(page.group, page.block))
+                    self.observer.saved(page, self.transfer.gather(page.group, page.block, after=after))
             started = time.perf_counter()
             written = self.transfer.save(self.store, todo, after=after)
         except Exception as exc:  # noqa: BLE001

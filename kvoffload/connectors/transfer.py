@@ -26,8 +26,8 @@ class Transfer(Protocol):
     def fence(self):
         """An ordering token for `after` (None where copies need none)."""
 
-    def gather(self, group: CacheGroup, block: int) -> np.ndarray:
-        """A copy of one page, as the cache holds it now."""
+    def gather(self, group: CacheGroup, block: int, *, after=None) -> np.ndarray:
+        """A copy of one page, as the cache holds it once the device work before `after` is done."""
 
     def save(self, store: Store, pages: Sequence[Page], after=None) -> list[bool]:
         """Store the pages; True per page made durable."""
@@ -61,7 +61,7 @@ class HostTransfer:
         """Host copies need no ordering token (the device transfer returns an event)."""
         return None
 
-    def gather(self, group: CacheGroup, block: int, out: np.ndarray | None = None) -> np.ndarray:
+    def gather(self, group: CacheGroup, block: int, out: np.ndarray | None = None, *, after=None) -> np.ndarray:
         spans = page_spans(group, block)
         out = np.empty(sum(n for _, n in spans), dtype=np.uint8) if out is None else out
         at = 0

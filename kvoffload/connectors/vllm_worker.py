@@ -11,7 +11,7 @@ from collections import Counter
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from ..spec.vllm import KindsLayout, check_agreement, from_vllm
+from ..spec.vllm import KindsLayout, check_agreement, check_tensors, from_vllm
 from ..store import shared_store
 from .jobs import Jobs
 from .offloader import Offloader
@@ -68,6 +68,7 @@ class _Worker:
                            tp_size=self.tp_size, dcp_size=self._dcp_size, share_replicas=self._share_replicas,
                            kv_caches=kv_caches)  # the tensors' dim orders: fingerprint
         check_agreement(self.view, layout)  # UnsupportedLayoutError at start-up, never wrong pages later
+        check_tensors(layout, kv_caches)  # the real (CUDA) tensors lie where the config says
         any_cache = next(iter(kv_caches.values()))
         any_cache = any_cache[0] if isinstance(any_cache, (list, tuple)) else any_cache
         raw = torch.empty(0, dtype=torch.uint8, device=any_cache.device).set_(any_cache.untyped_storage())

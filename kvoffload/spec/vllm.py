@@ -379,3 +379,43 @@ def from_vllm(kv_cache_config, *, model_id: str = "", tp_rank: int = 0, tp_size:
         hit_alignment=alignment, num_blocks=int(kv_cache_config.num_blocks),
         buffer_sizes=(sizes.pop() if sizes else 0,), index_kpool=index_kpool, tp_rank=tp_rank, tp_size=tp_size,
         extra=tuple(sorted((extra or {}).items())))
+
+
+def _members(tensor) -> list:
+    return [m for t in tensor for m in _members(t)] if isinstance(tensor, (list, tuple)) else [tensor]
+
+
+def check_tensors(layout: CacheLayout, kv_caches: dict) -> None:
+    """Refuse a layout the tensors vLLM really registered contradict: every tensor must live in the one
+    backing allocation the transfer copies from, have a dim of `num_blocks` blocks at the layout's block
+    stride, and keep every byte of a block inside the bytes stored for that layer's page. Derived from
+    `kv_cache_config` alone, the layout could otherwise miss an attention backend's real placement
+    (a K/V split outside the block, another stride order) and store pages that are not the KV."""
+    members = {name: _members(t) for name, t in kv_caches.items()}
+    bases = {m.untyped_storage().data_ptr() for ms in members.values() for m in ms}
+    if len(bases) > 1:
+        raise UnsupportedLayoutError(f"vLLM's KV cache tensors live in {len(bases)} allocations; kvoffload "
+                                     "copies pages from one backing allocation")
+    problems = []
+    for group in layout.groups:
+        for region in group.regions:
+            for layer, name in enumerate(region.layer_names):
+                page = region.page_offset(layer, 0)
+                for t in members.get(name, ()):
+                    size = t.element_size()
+                    start = t.storage_offset() * size
+                    dims = [d for d in range(t.dim()) if t.shape[d] == layout.num_blocks
+                            and t.stride(d) * size == region.block_stride]
+                    if not dims:
+                        problems.append(f"{name}: shape {tuple(t.shape)} strides {tuple(t.stride())} has no dim of "
+                                        f"{layout.num_blocks} blocks {region.block_stride} bytes apart")
+                        continue
+                    extent = size + sum((t.shape[d] - 1) * t.stride(d) * size for d in range(t.dim())
+                                        if d != dims[0] and t.shape[d] > 0)
+                    if not (page <= start and start + extent <= page + region.used_bytes):
+                        problems.append(f"{name}: block 0 bytes [{start}, {start + extent}) outside its stored page "
+                                        f"[{page}, {page + region.used_bytes}) ({group.name})")
+    if problems:
+        raise UnsupportedLayoutError("vLLM's KV cache tensors disagree with the layout derived from its config: "
+                                     + "; ".join(problems[:6]) + (f" ... and {len(problems) - 6} more"
+                                                                  if len(problems) > 6 else ""))

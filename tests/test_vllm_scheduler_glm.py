@@ -798,3 +798,33 @@ def test_tiered_admission_hits_pages_waiting_in_the_workers_memory(tmp_path, adm
     assert lookup("evicted") == (0, False)
     assert all(shared_store(url).back.put_many([(key, b"page") for key in saved]))  # on disk (admitted)
     assert lookup("on-disk") == (3 * BLOCK, True)
+
+
+def test_register_refuses_tensors_the_layout_misplaces(tmp_path):
+    """vLLM's real tensors (allocated by vLLM's own allocator for the GLM-5.3-Flash groups) pass the
+    register-time check; a layer tensor swapped for another layer's, given another block stride, or living in
+    another allocation is refused at start-up with its name, never copied as if it were the page."""
+    from kvoffload.spec import UnsupportedLayoutError
+    from kvoffload.spec.vllm import check_tensors, from_vllm
+
+    _, worker_cfg = _glm_vllm_config(0, f"lmdb://{tmp_path}/store?capacity=256MiB")
+    caches = _glm_kv_caches(worker_cfg)
+    layout = from_vllm(worker_cfg, model_id="glm", kv_caches=caches)
+    check_tensors(layout, caches)
+    mla = next(g for g in layout.groups if g.kind.name == "PAGED").regions[0].layer_names[0]
+    t = caches[mla]
+    moved = dict(caches)
+    # Another group's tensor (groups share memory: vLLM aliases layer i of every group) at another offset.
+    other = next(c for c in caches.values() if c.dim() == 4 and c.dtype == torch.int8
+                 and c.storage_offset() != t.storage_offset() * t.element_size())
+    moved[mla] = other
+    with pytest.raises(UnsupportedLayoutError, match=f"{mla}: block 0 bytes"):
+        check_tensors(layout, moved)
+    restrided = dict(caches)
+    restrided[mla] = t.as_strided(t.shape, (t.stride(0) - 256, *t.stride()[1:]), t.storage_offset())
+    with pytest.raises(UnsupportedLayoutError, match=f"{mla}: shape"):
+        check_tensors(layout, restrided)
+    elsewhere = dict(caches)
+    elsewhere[mla] = t.clone()
+    with pytest.raises(UnsupportedLayoutError, match="2 allocations"):
+        check_tensors(layout, elsewhere)

@@ -316,6 +316,22 @@ def _pruned_4l() -> GlmConfig:
     )
 
 
+def _vllm_4l() -> GlmConfig:
+    # For vLLM's own glm5next on one GPU (~1.2 GiB in bf16): the first four layers of the full model
+    # (KDA, KDA, KDA, MLA; dense, dense, dense, MoE) at the full attention, DSA indexer, KDA and mHC
+    # widths, with what only costs memory cut down: 8 small routed experts (top-2), narrow dense MLPs,
+    # a 4096-token vocabulary and no MTP layer.
+    return _pruned_4l().replace(
+        vocab_size=4096,
+        pad_token_id=None,
+        intermediate_size=1024,
+        moe_intermediate_size=256,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        num_nextn_predict_layers=0,
+    )
+
+
 def _tiny() -> GlmConfig:
     # The structural toy: every block kind of the full model (MLA, DSA indexer, kpool tail, KDA, MoE),
     # small enough for 2 CPU cores.
@@ -361,7 +377,7 @@ def _tiny() -> GlmConfig:
     )
 
 
-PRESETS = {"tiny": _tiny, "full": _full, "pruned-4l": _pruned_4l}
+PRESETS = {"tiny": _tiny, "full": _full, "pruned-4l": _pruned_4l, "vllm-4l": _vllm_4l}
 
 
 def preset(name: str) -> GlmConfig:

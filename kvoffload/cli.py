@@ -68,13 +68,26 @@ def _verify(args: argparse.Namespace) -> int:
     return _print_report(report, args.json)
 
 
+ON_DEVICES = ("vllm-ttft", "overhead", "stall")  # the vLLM engine benchmarks with a CPU and a GPU profile
+
+
+class BenchOptionError(KVOffloadError, ValueError):
+    """A benchmark option the chosen benchmark does not take."""
+
+
 def _bench(args: argparse.Namespace) -> int:
     import importlib
+    import inspect
 
     from .bench.common import write_result
 
     module = importlib.import_module(f"kvoffload.bench.{BENCHMARKS[args.name]}")
-    result = module.run(quick=args.quick, progress=None if args.json else _progress)
+    options = {}
+    if args.device != "cpu":
+        if "device" not in inspect.signature(module.run).parameters:
+            raise BenchOptionError(f"bench {args.name} has no --device (those with one: {', '.join(ON_DEVICES)})")
+        options["device"] = args.device
+    result = module.run(quick=args.quick, progress=None if args.json else _progress, **options)
     path = write_result(args.name, result, args.out)
     try:
         from .bench.plots import plot
@@ -125,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--quick", action="store_true", help="small sizes: checks the benchmark, not the machine")
     bench.add_argument("--out", default="bench/results", help="directory for the JSON result (default bench/results)")
     bench.add_argument("--json", action="store_true", help="print the result JSON instead of progress")
+    bench.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                       help=f"where the vLLM engine runs ({', '.join(ON_DEVICES)}; default cpu: vLLM's CPU build)")
     bench.set_defaults(func=_bench)
     inspect = sub.add_parser("inspect", help="print a store's statistics as JSON")
     inspect.add_argument("url", help="store URL, e.g. lmdb:///var/cache/kvoffload")

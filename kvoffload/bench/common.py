@@ -50,7 +50,8 @@ def write_result(name: str, result: dict, out_dir: str | None) -> str | None:
     if out_dir is None:
         return None
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{name}-{'quick' if result.get('quick') else 'full'}.json")
+    where = "-gpu" if result.get("device") == "cuda" else ""
+    path = os.path.join(out_dir, f"{name}{where}-{'quick' if result.get('quick') else 'full'}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
     return path

@@ -20,6 +20,10 @@ Commands (one JSON object per line on the child's stdin; one JSON reply per line
         in-process engines only: `prompt` is added while `first` runs (with max_num_seqs=1 it waits in
         vLLM's queue): its time to first token, when `first` finished (both from adding it), its tokens
         and cached tokens, and the deltas of the store's counters over the run (`_queued`)
+    {"op": "abort", "prompts": [[ids]], "steps": k}   the prompts added, k steps, all aborted mid-flight, the
+        engine drained (`_abort`)
+    {"op": "audit"}   engines started with audit=True: the pages saved and restored per group, restored pages
+        equal to the store's and to the saved bytes, and the worker's layout (`page_audit`)
 """
 
 from __future__ import annotations
@@ -74,15 +78,21 @@ class Engine:
 
     def __init__(self, model_dir: str, kv_transfer_config: dict | None, *, block_size: int, max_model_len: int,
                  dtype: str = "float32", timeout: float = 600, in_process: bool = False,
-                 engine_kwargs: dict | None = None, extra_env: dict | None = None, warmup: bool = True):
+                 engine_kwargs: dict | None = None, extra_env: dict | None = None, warmup: bool = True,
+                 audit: bool = False, wait: bool = True):
         """`in_process`: scheduler and worker in the child itself (VLLM_ENABLE_V1_MULTIPROCESSING=0), which
         also lets the child time every hook of the connector (`connector_seconds` in `steps` replies).
         `timeout`: seconds for start-up and for each reply. `engine_kwargs` go to `vllm.LLM` on top of the
         defaults (eager, prefix caching, no tokenizer, seed 0). `warmup`: one 5-token request before the
-        first command (its prefix-cache entries reset), so the first timed call pays no lazy start-up."""
+        first command (its prefix-cache entries reset), so the first timed call pays no lazy start-up.
+        `audit`: check every page the connector restores byte for byte (`page_audit`; the `audit` command
+        reports), in-process engines only. `block_size` None: vLLM's choice. `wait=False`: return once the
+        process is started; `ready()` waits for it."""
         spec = {"model": os.path.abspath(model_dir), "kv_transfer_config": kv_transfer_config,
                 "block_size": block_size, "max_model_len": max_model_len, "dtype": dtype, "in_process": in_process,
-                "engine_kwargs": dict(engine_kwargs or {}), "warmup": warmup}
+                "engine_kwargs": dict(engine_kwargs or {}), "warmup": warmup, "audit": audit}
+        if audit and not in_process:
+            raise ValueError("audit=True needs in_process=True (the connector's worker must be in the child)")
         env = child_env(extra_env)
         if in_process:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -95,11 +105,19 @@ class Engine:
                                      start_new_session=True)
         os.close(self._reply_w)
         self.replies = os.fdopen(replies)
-        try:
-            self.startup_s = self._reply()["startup_s"]
-        except BaseException:
-            self.close()
-            raise
+        self.startup_s = None
+        if wait:
+            self.ready()
+
+    def ready(self) -> Engine:
+        """Wait for the engine's start-up (`wait=False` lets several engines start side by side)."""
+        if self.startup_s is None:
+            try:
+                self.startup_s = self._reply()["startup_s"]
+            except BaseException:
+                self.close()
+                raise
+        return self
 
     def _reply(self) -> dict:
         ready, _, _ = select.select([self.replies], [], [], self.timeout)
@@ -125,14 +143,17 @@ class Engine:
             return f.read().decode("utf-8", "replace")
 
     def close(self) -> str:
-        """End the engine (stdin closed: it exits, at most 60 s) and its process group; returns its log."""
+        """End the engine (stdin closed: it exits, at most 60 s) and its process group; returns its log
+        (again on a second call)."""
+        if self.replies.closed:
+            return self._closed_log
         with contextlib.suppress(BrokenPipeError):
             self.proc.stdin.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(60)
         stop_group(self.proc, grace=5.0)
         self.replies.close()
-        text = self.log_text()
+        text = self._closed_log = self.log_text()
         os.unlink(self.log.name)
         return text
 
@@ -287,6 +308,27 @@ def _queued(llm, command: dict) -> dict:
             "store": counters}
 
 
+def _abort(llm, command: dict) -> dict:
+    """Add `prompts` (long generations), step the engine `steps` times (loads and saves of their blocks
+    go out), abort them all while those may still be in flight, then step until the engine is idle."""
+    from vllm import SamplingParams
+
+    engine, tag = llm.llm_engine, f"abort{time.monotonic_ns()}"
+    params = SamplingParams(temperature=0.0, max_tokens=command.get("max_tokens", 256), ignore_eos=True,
+                            detokenize=False)
+    ids = [engine.add_request(f"{tag}-{i}", {"prompt_token_ids": p}, params) for i, p in enumerate(command["prompts"])]
+    for _ in range(command["steps"]):
+        engine.step()
+    engine.abort_request([f"{tag}-{i}" for i in range(len(ids))])
+    drained = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        drained += 1
+        if drained > 100_000:
+            raise RuntimeError("the engine never drained after the aborts")
+    return {"aborted": len(ids), "drain_steps": drained}
+
+
 def _record_prefill_stats() -> dict[str, dict]:
     """Keep each request's PrefillStats (the scheduler's local / external split of its cached tokens),
     keyed by the request id the caller gave: `RequestOutput` carries only their sum, so the front end's
@@ -314,7 +356,7 @@ def _record_prefill_stats() -> dict[str, dict]:
 
 # Prometheus counters (names as LLM.get_metrics() reports them) returned per `generate` as deltas.
 COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:external_prefix_cache_queries",
-            "vllm:external_prefix_cache_hits", "vllm:prompt_tokens_by_source")
+            "vllm:external_prefix_cache_hits", "vllm:prompt_tokens_by_source", "vllm:num_preemptions")
 
 
 def _counters(llm) -> dict[str, float]:
@@ -390,9 +432,10 @@ def _child(spec_json: str, reply_fd: str) -> None:
     from vllm.config import KVTransferConfig
 
     prefill = _record_prefill_stats()
-    kwargs = dict(model=spec["model"], dtype=spec["dtype"], block_size=spec["block_size"],
-                  max_model_len=spec["max_model_len"], enforce_eager=True, enable_prefix_caching=True,
-                  skip_tokenizer_init=True, seed=0)
+    kwargs = dict(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], enforce_eager=True,
+                  enable_prefix_caching=True, skip_tokenizer_init=True, seed=0)
+    if spec["block_size"]:  # else vLLM's choice (a hybrid model's block is vLLM's anyway)
+        kwargs["block_size"] = spec["block_size"]
     if spec["kv_transfer_config"]:
         kwargs["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
     kwargs.update(spec["engine_kwargs"])
@@ -412,6 +455,11 @@ def _child(spec_json: str, reply_fd: str) -> None:
 
     engine.step = counted_step
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+    audit = None
+    if spec.get("audit"):  # in-process engines only: the connector's worker lives in this process
+        from .page_audit import PageAudit
+
+        audit = PageAudit.install()
     if spec["warmup"]:
         llm.generate([{"prompt_token_ids": [3, 4, 5, 6, 7]}], one, use_tqdm=False)
         llm.reset_prefix_cache()
@@ -447,6 +495,10 @@ def _child(spec_json: str, reply_fd: str) -> None:
             reply(_stall(llm, command))
         elif command["op"] == "queued":
             reply(_queued(llm, command))
+        elif command["op"] == "abort":
+            reply(_abort(llm, command))
+        elif command["op"] == "audit":
+            reply(audit.summary() if audit else {"error": "the engine was started without audit=True"})
         else:
             reply({"error": f"unknown op {command['op']!r}"})
 

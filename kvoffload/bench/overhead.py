@@ -82,7 +82,7 @@ RUNS_ON_GPU = 3  # the whole paired measurement, repeated on the same engines (t
 def run(quick: bool = False, progress=None, device: str = "cpu") -> dict:
     where = profile(device)
     gpu = where.device == "cuda"
-    batches, batch_size, prompt_tokens, max_tokens = ((2, 2, 96, 8) if quick else (8, 4, 512, 32) if gpu
+    batches, batch_size, prompt_tokens, max_tokens = ((2, 2, 96, 8) if quick else (6, 4, 512, 32) if gpu
                                                       else (24, 4, 512, 32))
     runs = RUNS_ON_GPU if gpu and not quick else 1
     gen = torch.Generator().manual_seed(11)

@@ -405,7 +405,7 @@ def _generate(llm, command: dict, prefill: dict[str, dict]) -> dict:
     return {"rows": rows, "metrics": {k: after[k] - before.get(k, 0.0) for k in after}}
 
 
-RESET_TRIES = 200  # engine steps a reset may wait for the connector's saves in flight (~ms each)
+RESET_WAIT_S = 300.0  # how long a reset may wait for a connector's saves in flight (a long prefix to disk)
 
 
 def _reset(llm, one, reset_connector: bool) -> bool:
@@ -413,11 +413,13 @@ def _reset(llm, one, reset_connector: bool) -> bool:
     requests' blocks for saves in flight; they are released when the engine steps, so step it with a
     3-token prompt (under a block: nothing cached) until the reset goes through. On a GPU the first try
     fails most of the time; without these steps a "warm" run would hit the GPU prefix cache, not the store."""
-    for _ in range(RESET_TRIES):
-        if llm.reset_prefix_cache(reset_connector=reset_connector):
-            return True
+    deadline = time.monotonic() + RESET_WAIT_S
+    while not llm.reset_prefix_cache(reset_connector=reset_connector):
+        if time.monotonic() > deadline:
+            return False
         llm.generate([{"prompt_token_ids": [3, 4, 5]}], one, use_tqdm=False)
-    return False
+        time.sleep(0.01)
+    return True
 
 
 def _child(spec_json: str, reply_fd: str) -> None:

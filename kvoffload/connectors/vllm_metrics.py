@@ -39,8 +39,8 @@ class KVOffloadStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {k: v for k, v in self.data.items() if k in COUNTERS}
-        for kind in ("load", "save"):
-            nbytes, micros = self.data.get(f"{kind}ed_bytes", 0), self.data.get(f"{kind}_microseconds", 0)
+        for kind, done in (("load", "loaded"), ("save", "saved")):
+            nbytes, micros = self.data.get(f"{done}_bytes", 0), self.data.get(f"{kind}_microseconds", 0)
             if micros:
                 out[f"{kind}_GBps"] = round(nbytes / micros / 1e3, 3)
         return out

@@ -5,6 +5,8 @@ TORCH_SPEC  ?= torch==2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 CACHE_DIR   ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kvoffload
 PYTEST_ARGS ?=
+# pytest-xdist workers (auto: one per core); tests are spread one by one (`--dist load`)
+TEST_WORKERS ?= auto
 
 # The key covers what the environment is built from: the dependency pins (not the rest of pyproject.toml).
 ENV_KEY := $(shell { $(PYTHON) -c 'import json, sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
@@ -18,7 +20,7 @@ demo: env
 	kvoffload demo
 
 test: env
-	python -m pytest $(PYTEST_ARGS)
+	python -m pytest -n $(TEST_WORKERS) --dist load $(PYTEST_ARGS)
 
 env: $(VENV)/.complete
 	@# the environment is shared by clones: point its editable install at this one, every time

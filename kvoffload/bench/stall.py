@@ -106,7 +106,7 @@ def run(quick: bool = False, progress=None, device: str = "cpu") -> dict:
     block = where.block
     # long prompt: whole blocks + half a block (the half block is recomputed on a load)
     rounds, decoders, decode_tokens, long_blocks, quiet, window = (
-        (2, 4, 48, 16, 8, 12) if quick else (6, 4, 48, 512, 8, 48) if gpu else (16, 4, 48, 124, 8, 64))
+        (2, 4, 48, 16, 8, 64) if quick else (6, 4, 48, 512, 8, 48) if gpu else (16, 4, 48, 124, 8, 64))
     runs = RUNS_ON_GPU if gpu and not quick else 1
     long_tokens = long_blocks * block + block // 2
     max_model_len = long_tokens + 64 if quick else long_tokens + 1024 if gpu else where.model["max_position_embeddings"]

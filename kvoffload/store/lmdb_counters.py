@@ -1,5 +1,8 @@
-"""The LMDB tier's counters: `info` records that each carry their own check, and their rebuild from the
-entries themselves.
+"""The LMDB tier's accounting: what an entry is charged against the capacity, and the counters -- `info`
+records that each carry their own check -- with their rebuild from the entries themselves. Kept apart
+from the store so that the one rule for a charge and the one recount serve the open (lmdb_files.py),
+every write transaction (lmdb_store.py) and the policies' own bookkeeping (lmdb_policy.py). No lock
+here: the store reads and writes the counters inside its write transactions, under its write lock.
 
 Records: tick (LRU's clock, S3-FIFO's position counter), bytes_used (the entries' charges), entries (the
 number of `meta` records) and, under S3-FIFO, small_bytes (the small queue's charges). Each is its u64
@@ -13,7 +16,11 @@ charge per entry; small_bytes is part of bytes_used; the tick is not behind the 
 When a record fails, one pass over the entries recounts them all (BENCHMARKS.md, "LMDB counter
 rebuild") and the records that failed or disagree with that count are rewritten (a sound tick is kept
 where it is ahead of the newest entry): `counters_rebuilt` in stats(). A write transaction checks the
-records it reads (the check only) and recounts in that transaction if one fails."""
+records it reads (the check only) and recounts in that transaction if one fails.
+
+What a policy tells the counters (`policy` below, lmdb_policy.py): its databases (`dbs`), the page size
+(`psize`), whether it keeps a small queue (`small_queue`: the small_bytes record), the newest position
+in its index (`newest`) and the small queue's charges (`small_bytes`)."""
 
 from __future__ import annotations
 
@@ -21,8 +28,6 @@ import struct
 from typing import NamedTuple
 
 import xxhash
-
-from . import lmdb_s3fifo as s3
 
 INDEX_BYTES = 512  # an entry's records in the three B-trees (charged, with the payload's pages)
 _U64 = struct.Struct(">Q")
@@ -62,18 +67,20 @@ def decode_value(name: bytes, raw) -> int | None:
 
 class Counters:
     """The counters a write transaction reads first and writes last, and the evictions it made (counted
-    in stats() only once it committed)."""
+    in stats() only once it committed; `ghosted`: the (key, bytes) S3-FIFO evicted from its small
+    queue, for its ghost once committed)."""
 
-    __slots__ = ("tick", "used", "small", "entries", "evicted", "evicted_bytes")
+    __slots__ = ("tick", "used", "small", "entries", "evicted", "evicted_bytes", "ghosted")
 
     def __init__(self, tick: int = 0, used: int = 0, small: int = 0, entries: int = 0):
         self.tick, self.used, self.small, self.entries = tick, used, small, entries
         self.evicted = self.evicted_bytes = 0
+        self.ghosted: list[tuple[bytes, int]] = []
 
-    def records(self, s3fifo: bool) -> dict[bytes, int]:
+    def records(self, small_queue: bool) -> dict[bytes, int]:
         used = max(self.used, 0)
         records = {TICK: self.tick, USED: used, ENTRIES: max(self.entries, 0)}
-        if s3fifo:
+        if small_queue:
             records[SMALL] = min(max(self.small, 0), used)
         return records
 
@@ -85,16 +92,22 @@ class Databases(NamedTuple):
     info: object
 
 
-def write(txn, dbs: Databases, counts: Counters, s3fifo: bool) -> None:
-    for name, value in counts.records(s3fifo).items():
-        txn.put(name, encode(name, value), db=dbs.info)
+def write(txn, policy, counts: Counters) -> None:
+    for name, value in counts.records(policy.small_queue).items():
+        txn.put(name, encode(name, value), db=policy.dbs.info)
 
 
-def load(txn, dbs: Databases, s3fifo: bool, psize: int, max_entry_bytes: int | None = None,
+def describe(rebuilt: dict[bytes, str]) -> str:
+    """The rebuilt records, for a log line."""
+    return ", ".join(f"{n.decode()} ({why})" for n, why in rebuilt.items())
+
+
+def load(txn, policy, max_entry_bytes: int | None = None,
          force: bool = False) -> tuple[Counters, dict[bytes, str]]:
     """The counters, and the records rebuilt from the entries (name -> why). `max_entry_bytes` (at
     open) adds the invariants to the checks; `force` recounts whatever the records say."""
-    names = (TICK, USED, ENTRIES, SMALL) if s3fifo else (TICK, USED, ENTRIES)
+    dbs = policy.dbs
+    names = (TICK, USED, ENTRIES, SMALL) if policy.small_queue else (TICK, USED, ENTRIES)
     stored, bad = {}, {}
     for name in names:
         stored[name], why = decode(name, txn.get(name, db=dbs.info))
@@ -104,59 +117,45 @@ def load(txn, dbs: Databases, s3fifo: bool, psize: int, max_entry_bytes: int | N
             and not txn.stat(dbs.data)["entries"]:
         counts = Counters(**{k: stored.get(n) or 0 for k, n in (("tick", TICK), ("used", USED), ("small", SMALL),
                                                                  ("entries", ENTRIES))})
-        write(txn, dbs, counts, s3fifo)  # a new store: nothing to rebuild
+        write(txn, policy, counts)  # a new store: nothing to rebuild
         return counts, {}
     if not bad and max_entry_bytes is not None:
-        bad = _implausible(txn, dbs, stored, s3fifo, psize, max_entry_bytes)
+        bad = _implausible(txn, policy, stored, max_entry_bytes)
     if not bad and not force:
         return Counters(stored[TICK], stored[USED], stored.get(SMALL, 0), stored[ENTRIES]), {}
-    true = recount(txn, dbs, s3fifo, psize)
-    found = true.records(s3fifo)
+    true = recount(txn, policy)
+    found = true.records(policy.small_queue)
     if TICK not in bad and not force:
         found[TICK] = max(found[TICK], stored[TICK])  # a sound tick may be ahead of every entry's
     rebuilt = {name: bad.get(name, "disagreed with the entries") for name in names
                if name in bad or stored[name] != found[name]}
     counts = Counters(found[TICK], found[USED], found.get(SMALL, 0), found[ENTRIES])
-    write(txn, dbs, counts, s3fifo)
+    write(txn, policy, counts)
     return counts, rebuilt
 
 
-def _implausible(txn, dbs: Databases, stored: dict, s3fifo: bool, psize: int, max_entry_bytes: int) -> dict:
+def _implausible(txn, policy, stored: dict, max_entry_bytes: int) -> dict:
     """The records (name -> why) that sound records cannot be, judged cheaply from the entries."""
-    bad = {}
+    bad, psize = {}, policy.psize
     entries, used = stored[ENTRIES], stored[USED]
-    if entries != txn.stat(dbs.meta)["entries"]:
+    if entries != txn.stat(policy.dbs.meta)["entries"]:
         bad[ENTRIES] = "disagreed with LMDB's count"
     pages = used - entries * INDEX_BYTES
     if pages % psize or pages < entries * psize or used > entries * entry_charge(max_entry_bytes, psize):
         bad[USED] = f"impossible for {entries} entries"
-    if s3fifo and stored[SMALL] > used:
+    if policy.small_queue and stored[SMALL] > used:
         bad[SMALL] = "more than bytes_used"
-    if stored[TICK] < newest_position(txn, dbs, s3fifo):
+    if stored[TICK] < policy.newest(txn):
         bad[TICK] = "behind the newest entry"
     return bad
 
 
-def newest_position(txn, dbs: Databases, s3fifo: bool) -> int:
-    """The highest tick (LRU) or position counter (S3-FIFO: the last of either queue) in the index."""
-    cursor = txn.cursor(db=dbs.lru)
-    ticks = []
-    if cursor.last():
-        ticks.append(bytes(cursor.key()[:8]))
-    if s3fifo and cursor.set_range(_U64.pack(s3.MAIN)) and cursor.prev():
-        ticks.append(bytes(cursor.key()[:8]))
-    ticks = [_U64.unpack(t)[0] for t in ticks if len(t) == 8]
-    return max((t & s3.COUNTER if s3fifo else t for t in ticks), default=0)
-
-
-def recount(txn, dbs: Databases, s3fifo: bool, psize: int) -> Counters:
+def recount(txn, policy) -> Counters:
     """Every counter from the entries: their payloads' charges, their `meta` records, their index."""
-    counts = Counters(newest_position(txn, dbs, s3fifo))
-    counts.used = sum(entry_charge(len(value), psize) for _, value in txn.cursor(db=dbs.data))
+    dbs = policy.dbs
+    counts = Counters(policy.newest(txn))
+    counts.used = sum(entry_charge(len(value), policy.psize) for _, value in txn.cursor(db=dbs.data))
     counts.entries = sum(1 for _ in txn.cursor(db=dbs.meta).iternext(values=False))
-    if s3fifo:
-        for record in txn.cursor(db=dbs.lru).iternext(values=False):
-            if len(record) >= 8 and s3.in_small(_U64.unpack(bytes(record[:8]))[0]):
-                payload = txn.get(bytes(record[8:]), db=dbs.data)
-                counts.small += entry_charge(len(payload), psize) if payload is not None else 0
+    if policy.small_queue:
+        counts.small = policy.small_bytes(txn)
     return counts

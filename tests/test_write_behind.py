@@ -306,7 +306,7 @@ def test_url_options(tmp_path):
     with open_store(base + "&write=through") as store:
         assert store.put(b"k", b"durable now")
         assert store.back.get(b"k") == b"durable now"  # on disk when put returned
-        assert store.stats()["behind_queued"] == 0 and store._thread is None
+        assert store.stats()["behind_queued"] == 0 and store._behind._thread is None
 
 
 def test_a_process_exiting_without_close_writes_what_is_queued(tmp_path):

@@ -131,8 +131,8 @@ class _Recorder:
 
 
 class _VerifyingConnector(RunnerConnector):
-    def __init__(self, store, engine, recorder: _Recorder):
-        super().__init__(store, engine, recorder)
+    def __init__(self, store, engine, recorder: _Recorder, state_retention: str = "every"):
+        super().__init__(store, engine, recorder, state_retention)
         self.recorder = recorder
         self.restored_now: list[str] = []
 
@@ -151,9 +151,12 @@ class _VerifyingConnector(RunnerConnector):
 
 
 def run_phase(model_dir: str, store, namespace: str, cases, block_size: int, max_tokens: int,
-              threads: int = 1, progress=None, device: str = "cpu", kernels: str = "auto") -> PhaseResult:
+              threads: int = 1, progress=None, device: str = "cpu", kernels: str = "auto",
+              state_retention: str = "every") -> PhaseResult:
     """One cold or warm pass over every case, each on a fresh device cache. `store` is a URL (opened
-    here, stamped with the layout fingerprint) or an open `Store` shared with another phase."""
+    here, stamped with the layout fingerprint) or an open `Store` shared with another phase.
+    `state_retention`: 'every' by default, so that every checkpoint's bytes are checked and the bytes
+    stored per token are the layout's (the runner's own default keeps fewer: `retention`)."""
     from glm_integration.cache import PagedCache
     from glm_integration.engine import Engine
     from glm_integration.kernels import backend_for, use_backend
@@ -167,13 +170,13 @@ def run_phase(model_dir: str, store, namespace: str, cases, block_size: int, max
         fingerprint = PagedCache(config, block_size, 1, model_id=model_id, device="meta").layout.fingerprint
         with open_store(store, fingerprint=fingerprint) as opened:
             return run_phase(model_dir, opened, namespace, cases, block_size, max_tokens, threads, progress,
-                             device, kernels)
+                             device, kernels, state_retention)
     for c, (name, prompts) in enumerate(cases):
         need = sum((len(p) + max_tokens) // block_size + 2 for p in prompts) + 4
         cache = PagedCache(config, block_size, need, model_id=model_id, device=device)  # fresh and empty
         engine = Engine(model, cache, namespace=case_namespace(namespace, c))
         recorder = _Recorder(cache.layout, result)
-        connector = _VerifyingConnector(store, engine, recorder)
+        connector = _VerifyingConnector(store, engine, recorder, state_retention)
         requests = engine.generate(prompts, max_tokens)
         result.tokens.append([r.output for r in requests])
         result.hit_tokens.append([r.cached_tokens + r.loaded_tokens for r in requests])
@@ -358,7 +361,8 @@ def _phase_main(spec_path: str, out_path: str) -> int:
         result = run_phase(spec["model_dir"], spec["store_url"], spec["namespace"],
                            [(name, prompts) for name, prompts in spec["cases"]], spec["block_size"],
                            spec["max_tokens"], progress=lambda message: print(message, file=sys.stderr, flush=True),
-                           device=spec["device"], kernels=spec["kernels"])
+                           device=spec["device"], kernels=spec["kernels"],
+                           state_retention=spec.get("state_retention", "every"))
     except INPUT_ERRORS as exc:  # a store or checkpoint that cannot work: the parent says so, in one line
         with open(out_path, "w") as f:
             json.dump({"input_error": str(exc)}, f)

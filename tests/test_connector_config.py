@@ -16,6 +16,8 @@ from kvoffload.store import LMDBSpec, MemorySpec, StoreConfigError
     ({"store": "tiered://?lmdb=/d&write=through&admit=2"}, StoreConfigError, "admit= above 1 needs write=behind"),
     ({"namespace": 7}, ConfigError, "namespace must be a string"),
     ({"store": ["lmdb:///d"]}, ConfigError, "store must be a string"),
+    ({"state_retention": "last+expo"}, ConfigError, "state_retention: .*unknown rule 'expo'"),
+    ({"state_retention": "every:0"}, ConfigError, "state_retention: .*every:K needs a whole number K >= 1"),
 ])
 def test_bad_values_are_config_errors(extra, error, message):
     with pytest.raises(error, match=message) as raised:
@@ -39,5 +41,13 @@ def test_defaults_and_the_parsed_store(monkeypatch, tmp_path):
 
 def test_the_documented_keys_are_the_fields():
     assert set(EXTRA_CONFIG_KEYS) == {"store", "namespace", "model_id", "model_revision", "load_failure_policy",
-                                     "max_saved_blocks", "prefetch_bytes"}
+                                     "max_saved_blocks", "prefetch_bytes", "state_retention"}
     assert all(EXTRA_CONFIG_KEYS.values())
+
+
+def test_state_retention_is_parsed_once():
+    from kvoffload.connectors.retention import DEFAULT, StateRetention
+
+    config = ConnectorConfig.from_extra({"store": "memory://?capacity=1MiB", "state_retention": "last+every:4"})
+    assert config.retention == StateRetention(last=True, every=4)
+    assert ConnectorConfig.from_extra({"store": "memory://?capacity=1MiB"}).retention == DEFAULT

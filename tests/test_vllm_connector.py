@@ -210,6 +210,23 @@ def test_qwen3_next_finer_prefix_match_unit(qwen_dir, tmp_path, unit):
     assert warm[0]["num_external_cached_tokens"] % 64 == 0
 
 
+def test_qwen3_next_state_retention_hits_at_a_kept_boundary(qwen_dir, tmp_path):
+    """vLLM hands off the gated-delta-net state at every 64-token boundary (a retention interval of one
+    block, and a 64-token step budget: align mode materialises a state only where a prefill chunk ends,
+    so each block is its own chunk); the connector saves those `state_retention` keeps: under 'last+exp' LONG (300 tokens, its
+    longest hit 4 blocks) keeps boundaries 1, 2 and 4, not 3. A prompt sharing LONG's first 3 blocks
+    then hits exactly 2 blocks (128 tokens; every boundary kept would give 192), with the tokens of its
+    own cold run (round 0, under another cache salt: other keys, nothing to hit)."""
+    shared = LONG[:192] + [(17 * i + 2) % 500 + 3 for i in range(100)]
+    config = connector(store_url("lmdb", tmp_path), state_retention="last+exp")
+    reference, long, warm = (r[0] for r in vh.run_generations(
+        qwen_dir, config, [[{"tokens": shared, "cache_salt": "cold"}], [LONG], [shared]], dtype="bfloat16",
+        block_size=BLOCK, engine_kwargs={"prefix_cache_retention_interval": 64, "max_num_batched_tokens": 64}))
+    assert reference["num_cached_tokens"] == 0 and long["num_cached_tokens"] == 0
+    assert warm["num_local_cached_tokens"] == 0 and warm["num_external_cached_tokens"] == 128
+    assert warm["tokens"] == reference["tokens"]
+
+
 @pytest.mark.parametrize("tier", ["memory", "lmdb", "tiered"])
 def test_reset_connector_clears_the_store(llama_dir, tmp_path, tier):
     """`llm.reset_prefix_cache(reset_connector=True)` after the cold round: it reports success and the

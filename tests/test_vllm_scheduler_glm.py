@@ -242,13 +242,15 @@ def _prompt(seed: int) -> list[int]:
 @pytest.fixture(scope="module")
 def glm_runs(tmp_path_factory):
     """Both retention settings, each: a cold run that prefills and saves, then a fresh engine on the
-    same store (after the saved pages were written to it) that must hit, load and finish the prompt."""
+    same store (after the saved pages were written to it) that must hit, load and finish the prompt.
+    The connector's own `state_retention` is 'every' here, so it saves every STATE hand-off vLLM makes
+    (its default keeps fewer: `test_default_state_retention_drops_inner_handoffs`)."""
     from kvoffload.store import shared_store
 
     runs = {}
     for retention in (0, BLOCK):
         store_url = f"lmdb://{tmp_path_factory.mktemp(f'store-r{retention}')}/store?capacity=256MiB"
-        vc, worker_cfg = _glm_vllm_config(retention, store_url)
+        vc, worker_cfg = _glm_vllm_config(retention, store_url, state_retention="every")
         cold = _Engine(vc, worker_cfg)
         prompt = _prompt(retention)
         cold.add("cold", prompt)
@@ -773,7 +775,7 @@ def test_tiered_admission_hits_pages_waiting_in_the_workers_memory(tmp_path, adm
     from kvoffload.store import shared_store
 
     url = f"tiered://?memory=64KiB&lmdb={tmp_path}/db&lmdb_capacity=64MiB&admit={admit}"
-    engine = _Engine(*_glm_vllm_config(BLOCK, url))
+    engine = _Engine(*_glm_vllm_config(BLOCK, url, state_retention="every"))  # every hand-off saved
     engine.add("cold", _prompt(1))
     engine.run()
     connector, scheduler = engine.connector, engine.connector.connector_scheduler
@@ -828,3 +830,30 @@ def test_register_refuses_tensors_the_layout_misplaces(tmp_path):
     elsewhere[mla] = t.clone()
     with pytest.raises(UnsupportedLayoutError, match="2 allocations"):
         check_tensors(layout, elsewhere)
+
+
+def test_default_state_retention_drops_inner_handoffs(tmp_path):
+    """The connector's default state_retention ('last+junction') in vLLM's real scheduler, with every
+    boundary handed off (retention interval 384): the save jobs hold the KDA checkpoints of the longest
+    hit's boundary only (1152), every MLA page, and the dropped hand-offs are counted; a fresh engine on
+    the stored pages then hits there."""
+    from kvoffload.store import shared_store
+
+    url = f"lmdb://{tmp_path}/store?capacity=256MiB"
+    vc, worker_cfg = _glm_vllm_config(BLOCK, url)
+    cold = _Engine(vc, worker_cfg)
+    prompt = _prompt(11)
+    cold.add("cold", prompt)
+    cold.run()
+    offered = {(g, boundary) for step in cold.steps for g, _, boundary in step["offloads"].get("cold", [])}
+    assert offered == {(g, k * BLOCK) for g in KDA_GROUPS for k in (1, 2, 3)}
+    saved = [page for step in cold.steps for job in step["meta"].saves for page in job.pages]
+    assert sorted((g, index) for _, g, index, _ in saved if g in KDA_GROUPS) == [(g, 2) for g in KDA_GROUPS]
+    assert sorted(index for _, g, index, _ in saved if g == MLA_GROUP) == [0, 1, 2]
+    assert cold.connector.connector_scheduler.counters["checkpoints_not_retained"] == 2 * len(KDA_GROUPS)
+    kinds = cold.connector.kinds
+    assert all(shared_store(url).put_many([(page_key(key, group_name(g, kinds[g])), b"page") for key, g, _, _ in saved]))
+    warm = _Engine(vc, worker_cfg)
+    warm.add("warm", prompt)
+    warm.step(finished_recving={"warm"})
+    assert warm.matched["warm"] == [(3 * BLOCK, 0)]

@@ -71,3 +71,33 @@ def test_save_jobs_per_step_and_no_block_table_for_a_step_without_full_blocks():
         computed = {r: 3 * BLOCK + 1 + step for r in prompts}
         meta = sched.build_connector_meta(_output(state, {}, computed, {r: 1 for r in prompts}))
         assert meta.saves == [] and state.asked == []
+
+
+@pytest.mark.parametrize("retention, kept", [
+    ("every", [1, 2, 3, 4, 5, 6]),
+    ("last", [6]),
+    ("last+exp", [1, 2, 4, 6]),
+    ("last+junction", [3, 6]),  # vLLM's shared_prefix_boundary (3 blocks + 2 tokens) floors to 3
+])
+def test_save_job_keeps_only_the_retained_state_handoffs(retention, kept):
+    """vLLM hands off a KDA checkpoint at every boundary (a retention interval of one block): the save
+    job holds those the connector's state_retention keeps (`retention`), every PAGED page, and counts
+    the hand-offs it dropped."""
+    from kvoffload.connectors.retention import StateRetention
+
+    layout = KindsLayout(BLOCK, BLOCK, (GroupKind.STATE, GroupKind.PAGED, GroupKind.SKIP),
+                         (KindsGroup(0, GroupKind.STATE, "kda"), KindsGroup(1, GroupKind.PAGED, "mla")))
+    sched = _Scheduler(layout, KeyChain(b"fp", BLOCK), "memory://?capacity=1MiB", 1, 1,
+                       retention=StateRetention.parse(retention))
+    prompt = list(range(6 * BLOCK + 1))  # longest hit: 6 blocks
+    request = SimpleNamespace(request_id="r", prompt_token_ids=prompt, shared_prefix_boundary=3 * BLOCK + 2)
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    tables = {"r": [[20 + b for b in range(7)], [40 + b for b in range(7)]]}
+    state = _BlockState(tables)
+    state.boundary_state_offloads = {"r": [(0, 20 + k - 1, k * BLOCK) for k in range(1, 7)]}
+    meta = sched.build_connector_meta(_output(state, {"r": 0}, {}, {"r": len(prompt)}))
+    (job,) = meta.saves
+    keys = sched._requests["r"].block_keys
+    assert [p for p in job.pages if p[1] == 0] == [(keys[k - 1], 0, k - 1, 20 + k - 1) for k in kept]
+    assert [p for p in job.pages if p[1] == 1] == [(keys[i], 1, i, 40 + i) for i in range(6)]
+    assert sched.counters["checkpoints_not_retained"] == 6 - len(kept)

@@ -7,7 +7,9 @@ documents, with Poisson arrivals. Blocks and page sizes are GLM-5.3-Flash's at t
 arrival order against real stores (`tiered://` memory in front of LMDB, a new store per policy): every
 request looks up its longest stored prefix (`plan.hit_blocks`), reads it (a disk hit is promoted into
 memory; a memory hit counts towards admission), then saves the pages of the blocks it computed, with a
-checkpoint at every block boundary, as vLLM hands them off with a retention interval of one block.
+checkpoint at the block boundaries its KDA checkpoint retention policy keeps (`connectors.retention`;
+vLLM hands one off at every boundary with a retention interval of one block, and the connector keeps
+those the policy names): at every boundary in the baseline rows, fewer in the retention rows.
 
 Stored values are the model's page sizes divided by SCALE, and so are the tier capacities: hit rates,
 evictions and admission decisions are the model's; bytes are reported at model size. The time to first
@@ -35,7 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..connectors.plan import hit_blocks, pages_for_load, pages_for_save
+from ..connectors.plan import hit_and_junction, hit_blocks, pages_for_load, pages_for_save
+from ..connectors.retention import EVERY, StateRetention
 from ..spec import KeyChain
 from ..store import open_store
 from .common import machine
@@ -46,8 +49,9 @@ LINK_GBPS = 52.5  # host -> device through the memory tier, H200 machine (BENCHM
 MEMORY_CAPACITY = 64 << 30  # model bytes of host memory for KV (one GPU's share)
 DISK_CAPACITIES = (1 << 40, 256 << 30)  # model bytes of local disk for KV: roomy, then under pressure
 # (name, disk capacity or None: memory only, admit, memory eviction[, per-request cap, prefetch, disk
-# eviction]); "no offload" stores nothing
+# eviction, KDA checkpoint retention]); "no offload" stores nothing
 CAP_BLOCKS = 8  # the per-request cap tried (vLLM connector: max_saved_blocks)
+RETENTIONS = ("last", "last+junction", "last+every:4", "last+exp", "last+backexp", "last+exp+backexp")  # beside `every`
 POLICIES = (("no offload", None, None, "lru"), ("memory only, LRU", None, 1, "lru"),
             ("memory only, S3-FIFO", None, 1, "s3fifo"),
             *((f"memory + disk {d >> 30} GiB, {'store everything' if a == 1 else f'admit={a}'}"
@@ -58,7 +62,9 @@ POLICIES = (("no offload", None, None, "lru"), ("memory only, LRU", None, 1, "lr
             *((f"memory + disk {d >> 30} GiB, store everything, prefetch", d, 1, "lru", None, True)
               for d in DISK_CAPACITIES),
             (f"memory + disk {DISK_CAPACITIES[-1] >> 30} GiB, store everything, S3-FIFO disk", DISK_CAPACITIES[-1], 1,
-             "lru", None, False, "s3fifo"))
+             "lru", None, False, "s3fifo"),
+            *((f"memory + disk {d >> 30} GiB, store everything, checkpoints {r}", d, 1, "lru", None, False, "lru",
+               StateRetention.parse(r)) for d in DISK_CAPACITIES for r in RETENTIONS))
 
 
 @dataclass(frozen=True)
@@ -129,8 +135,10 @@ class _Replay:
     """One policy's run over the trace: a fresh store, counters at model size."""
 
     def __init__(self, layout, disk: int | None, admit: int | None, evict: str, directory: str, disk_gbps: float,
-                 cap: int | None = None, prefetch: bool = False, disk_evict: str = "lru"):
+                 cap: int | None = None, prefetch: bool = False, disk_evict: str = "lru",
+                 retention: StateRetention = EVERY):
         self.cap = cap  # a request's keys stop after this many blocks: nothing beyond is saved or hit
+        self.retention = retention  # the block boundaries whose KDA checkpoint is saved
         self.prefetch, self.disk_gbps, self.free_at = prefetch, disk_gbps, 0.0
         self.layout, self.admit, self.disk, self.evict, self.disk_evict = layout, admit, disk, evict, disk_evict
         self.size = {g.name: -(-g.used_bytes_per_block // SCALE) for g in layout.cacheable_groups}
@@ -165,7 +173,7 @@ class _Replay:
         keys = all_keys[:self.cap]
         if self.prefetch and start > arrival:
             self._prefetch(keys, num_tokens, start - arrival)
-        hit = hit_blocks(self.layout, keys, num_tokens, self.store.contains_many)
+        hit, junction = hit_and_junction(self.layout, keys, num_tokens, self.store.contains_many)
         memory = disk = 0
         if hit:
             pages = pages_for_load(self.layout, keys, 0, hit)
@@ -179,7 +187,8 @@ class _Replay:
         self.totals["memory_read_bytes"] += memory
         self.totals["disk_read_bytes"] += disk
         full = len(keys)
-        save = [p for p in pages_for_save(self.layout, keys, full, range(full)) if p.index >= hit]
+        checkpoints = self.retention.state_blocks(self.layout, num_tokens, range(full), full, junction)
+        save = [p for p in pages_for_save(self.layout, keys, full, checkpoints) if p.index >= hit]
         todo = [p for p, there in zip(save, self.store.contains_many([p.key for p in save])) if not there]
         stored = self.store.put_many([(p.key, memoryview(self.payload)[:self.size[p.group.name]]) for p in todo])
         self.totals["memory_written_bytes"] += self._model_bytes(p for p, ok in zip(todo, stored) if ok)
@@ -216,7 +225,8 @@ class _Replay:
         stats = self.store.stats() if self.store is not None else {}
         row = {"policy": name, "admit": self.admit, "disk_capacity": self.disk, "evict": self.evict,
                "disk_evict": self.disk_evict if self.disk else None,
-               "max_saved_blocks": self.cap, "prefetch": self.prefetch, **self.totals,
+               "max_saved_blocks": self.cap, "prefetch": self.prefetch, "state_retention": str(self.retention),
+               **self.totals,
                "hit_rate_tokens": round(self.totals["hit_tokens"] / self.totals["prompt_tokens"], 4),
                "disk_written_bytes": int(stats.get("behind_written_bytes", 0)) * SCALE,
                # a request's pages beyond behind_bytes (half the memory tier) stay in memory only

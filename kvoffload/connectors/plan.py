@@ -83,9 +83,18 @@ def hit_blocks(layout: CacheLayout, block_keys: Sequence[bytes], num_prompt_toke
                contains: Callable[[list[bytes]], list[bool]], start: int = 0) -> int:
     """How many leading blocks a store can restore on every TP rank (>= `start`, the blocks the engine
     already holds; returns `start` when the store adds nothing). One batched presence query."""
+    return hit_and_junction(layout, block_keys, num_prompt_tokens, contains, start)[0]
+
+
+def hit_and_junction(layout: CacheLayout, block_keys: Sequence[bytes], num_prompt_tokens: int,
+                     contains: Callable[[list[bytes]], list[bool]], start: int = 0) -> tuple[int, int]:
+    """`hit_blocks`, and the junction: where the leading run of blocks whose PAGED pages are all stored
+    ends (aligned down), when that is past the hit, else 0. There a stored prefix lacks the checkpoint
+    this prompt would need: another request stored those blocks and diverged later, so the boundary is
+    a proven shared prefix (`retention`'s `junction` rule keeps its checkpoint). One query, as above."""
     limit = min(max_hit_blocks(layout, num_prompt_tokens), len(block_keys))
     if limit <= start:
-        return start
+        return start, 0
     paged = _every_rank(layout, block_keys, range(start, limit), GroupKind.PAGED)
     state = _every_rank(layout, block_keys, range(start, limit), GroupKind.STATE)
     found = iter(contains([*paged, *state]))  # in that order: the paged answers, then the state ones
@@ -100,7 +109,8 @@ def hit_blocks(layout: CacheLayout, block_keys: Sequence[bytes], num_prompt_toke
         i += 1
         if i % blocks_per_step == 0 and state_ok[i - 1 - start]:
             best = i
-    return best
+    junction = i // blocks_per_step * blocks_per_step
+    return best, junction if junction > best else 0
 
 
 def pages_for_load(layout: CacheLayout, block_keys: Sequence[bytes], start: int, end: int,

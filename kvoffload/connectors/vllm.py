@@ -125,7 +125,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             workers = max(int(getattr(parallel, "world_size", 1) or 1), 1)
             self.connector_scheduler = _Scheduler(self.view, self.chain, self.store_url, self.tp_size, workers,
                                                   self.namespace, spec=config.spec, max_blocks=config.max_blocks,
-                                                  prefetch=config.prefetch_budget != 0)
+                                                  prefetch=config.prefetch_budget != 0, retention=config.retention)
             if events:  # vLLM drains take_events every step
                 self.connector_scheduler.enable_events(
                     getattr(kv_cache_config, "hash_block_size", None) or self.block_size)

@@ -10,6 +10,7 @@ from ..errors import ConfigError
 from ..paths import vllm_store_url
 from ..store import StoreSpec, TieredSpec, parse_store_url
 from ..store.url import parse_size
+from .retention import DEFAULT, StateRetention
 
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
@@ -34,7 +35,11 @@ class ConnectorConfig:
     prefetch_bytes: str | None = _doc("tiered:// only: bytes each worker may promote from the slow tier into its "
                                       "memory tier for requests still queued (prefetch); 0 turns it off; default "
                                       "a quarter of the memory tier")
+    state_retention: str = _doc("the block boundaries whose KDA / Mamba checkpoint is saved, of those vLLM hands "
+                                "off: 'every', 'last' (where the prompt's longest hit ends), 'last+every:K', "
+                                "'last+exp', 'last+backexp' (`kvoffload.connectors.retention`)", str(DEFAULT))
     spec: StoreSpec = field(init=False, repr=False, compare=False)  # the store URL, parsed once
+    retention: StateRetention = field(init=False, repr=False, compare=False)  # state_retention, parsed once
 
     def __post_init__(self):
         for f in fields(self):
@@ -50,6 +55,10 @@ class ConnectorConfig:
         object.__setattr__(self, "store", self.store or vllm_store_url())
         spec = parse_store_url(self.store)  # a bad URL fails at start-up, in both roles
         object.__setattr__(self, "spec", spec)
+        try:
+            object.__setattr__(self, "retention", StateRetention.parse(self.state_retention))
+        except ConfigError as exc:
+            raise ConfigError(f"KVOffloadConnector: state_retention: {exc}") from None
         self.prefetch_budget  # noqa: B018 - a bad size is a StoreConfigError (a ConfigError) at start-up
         if self.max_saved_blocks is not None and not (self.max_saved_blocks.isdigit() and int(self.max_saved_blocks)):
             raise ConfigError("KVOffloadConnector: max_saved_blocks must be a positive whole number of blocks, got "

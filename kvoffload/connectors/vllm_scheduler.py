@@ -13,7 +13,8 @@ from ..spec import GroupKind, KeyChain, request_salt
 from ..spec.vllm import KindsLayout
 from ..store import MemorySpec, StoreSpec, TieredSpec, parse_store_url, shared_store
 from ..store.url import redact_url
-from .plan import hit_blocks, store_key
+from .plan import hit_and_junction, hit_blocks, store_key
+from .retention import DEFAULT, StateRetention
 from .vllm_events import KVEvents, medium_for
 from .vllm_shared import KVOffloadMetadata, LoadJob, PrefetchJob, SaveJob, StoredPages
 
@@ -89,6 +90,7 @@ class _RequestState:
     loaded: tuple[int, int] = (0, 0)  # (start, end) blocks a load job restored (or tried to)
     load_failed: bool = False  # a load for it failed: no more loads, it recomputes
     sent_saves: bool = False  # a save job for it went to the workers
+    junction: int = 0  # blocks: where the prompt diverges from a stored or held prefix (`retention`)
     request: Any = None  # vLLM's Request, kept only while KV events are enabled (its block hashes)
 
 
@@ -104,11 +106,12 @@ class _Scheduler:
 
     def __init__(self, layout: KindsLayout, chain: KeyChain, store_url: str, tp_size: int, workers: int,
                  namespace: str = "vllm", *, spec: StoreSpec | None = None, max_blocks: int | None = None,
-                 prefetch: bool = False):
+                 prefetch: bool = False, retention: StateRetention = DEFAULT):
         """`spec`: `store_url` as the connector's configuration parsed it (parsed here when absent);
         `max_blocks`: a request's keys (hence its saves and hits) stop after this many prompt blocks;
-        `prefetch`: queued requests' stored prefixes are promoted into the workers' memory tier."""
-        self.max_blocks, self.prefetch = max_blocks, prefetch
+        `prefetch`: queued requests' stored prefixes are promoted into the workers' memory tier;
+        `retention`: the block boundaries whose STATE hand-offs are saved (`retention`)."""
+        self.max_blocks, self.prefetch, self.retention = max_blocks, prefetch, retention
         self._arrived: list[Request] = []  # added since the last step (on_new_request), prefetch only
         self._prefetching: set[str] = set()  # requests with a prefetch sent to the workers, not yet ended
         self.layout, self.chain, self.tp_size, self.namespace = layout, chain, tp_size, namespace
@@ -229,11 +232,15 @@ class _Scheduler:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         state = self._state(request)
+        # vLLM's own junction (a prefix its cache holds without the Mamba state there), in blocks
+        state.junction = max(state.junction, (getattr(request, "shared_prefix_boundary", 0) or 0) // self.block_size)
         have = num_computed_tokens // self.block_size
         if num_computed_tokens % self.block_size or state.load_failed or self._uncleared > 0:
             return 0, False
         try:  # every TP rank's pages (the layout knows tp_size and which groups ranks share)
-            total = hit_blocks(self.layout, state.block_keys, state.num_prompt_tokens, self._presence, have)
+            total, junction = hit_and_junction(self.layout, state.block_keys, state.num_prompt_tokens,
+                                               self._presence, have)
+            state.junction = max(state.junction, junction)
         except Exception as exc:  # noqa: BLE001 - a broken store is a miss, never a failed engine
             log.error("KVOffloadConnector lookup failed: %s", exc, exc_info=True)
             total = have
@@ -374,7 +381,11 @@ class _Scheduler:
                     # vLLM offers a loaded boundary again, the very block the load writes into: saving
                     # it after a failed load would store stale bytes as this prefix's checkpoint.
                     and not state.loaded[0] <= index < state.loaded[1]):
-                pages.append((state.block_keys[index], group_id, index, block_id))
+                if self.retention.keeps(self.layout, state.num_prompt_tokens, index + 1, len(state.block_keys),
+                                        state.junction):
+                    pages.append((state.block_keys[index], group_id, index, block_id))
+                else:
+                    self.counters["checkpoints_not_retained"] += 1
         return SaveJob(req_id, pages) if pages else None
 
     @staticmethod

@@ -17,7 +17,7 @@ INPUT_ERRORS = (KVOffloadError, FileNotFoundError, IsADirectoryError, NotADirect
 BENCHMARKS = {"store": "store", "footprint": "footprint", "ttft": "ttft", "transfer": "transfer",
               "vllm-ttft": "vllm_ttft", "overhead": "overhead", "redis": "redis_tier", "faults": "faults",
               "datapath": "datapath", "stall": "stall", "trace": "trace",
-              "prefetch": "prefetch"}  # name -> kvoffload.bench module
+              "prefetch": "prefetch", "warmstart": "warmstart"}  # name -> kvoffload.bench module
 
 
 def _refuse(exc: Exception) -> int:

@@ -201,3 +201,15 @@ def test_prefetch_benchmark_json(tmp_path):
     assert rows["tiered_no_prefetch"]["prefetched"] == 0 and rows["tiered_no_prefetch"]["memory_hits"] == 0
     assert all(r["ttft_ms"] >= r["after_slot_ms"] > 0 for r in rows.values())
     assert result["raw_cold_read_GBps"] > 0 and result["prefetch_vs_no_prefetch_after_slot"] > 0
+
+
+def test_warmstart_benchmark_needs_a_gpu(capsys):
+    """The first-restore benchmark times the GPU path only: on a CPU machine a one-line refusal, exit 2."""
+    import torch
+
+    from kvoffload.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the benchmark runs (see BENCHMARKS, bench warmstart)")
+    assert main(["bench", "warmstart", "--quick", "--out", ""]) == 2
+    assert "needs a CUDA or ROCm device" in capsys.readouterr().err

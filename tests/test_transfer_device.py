@@ -163,3 +163,40 @@ def test_background_save_after_a_fence_reads_what_compute_wrote():
     worker.join(timeout=60)
     assert result == [[True]]
     assert bytes(store.get(b"k")) == b"\x05" * paged.used_bytes_per_block
+
+
+def test_warm_up_finds_the_narrowest_word_a_batch_can_need():
+    """Kernels are made for every word size from the layout's gcd up: the 4-byte aligned state group
+    brings it down from 8 (a missed size would compile on the first request)."""
+    paged, state = _groups()
+    transfer = DeviceTransfer(torch.zeros(32 * STRIDE, dtype=torch.uint8))
+    assert transfer._word_floor([paged]) == 8
+    assert transfer._word_floor([paged, state]) == 4
+    assert transfer.warm_up([paged, state]) >= 0 and transfer.warm_up_s is not None
+    assert transfer._slots == {}  # the CPU path has no staging to make
+
+
+@pytest.mark.skipif(not GPU, reason="staging and kernels exist on a GPU only")
+@pytest.mark.parametrize("use_triton", [False] + ([True] if TRITON else []))
+def test_after_warm_up_the_first_save_and_load_make_nothing(use_triton):
+    """The first restore of a process runs on what the warm start made: the same staging slots and tile
+    tables (no page-locking on the first request), and the pages arrive byte for byte."""
+    paged, state = _groups()
+    source = torch.randint(0, 256, (32 * STRIDE,), dtype=torch.uint8, device="cuda")
+    transfer = _transfer(source, use_triton, staging_bytes=3 * paged.used_bytes_per_block)
+    transfer.warm_up([paged, state])
+    made = {where: (slot, slot.host.data_ptr(), slot.table.host.data_ptr()) for where, slot in transfer._slots.items()}
+    assert set(made) == {(d, i) for d in ("save", "load") for i in (0, 1)}
+    items = [Page(f"k{g.name}{b}".encode(), g, b, b) for b in range(3, 20) for g in (paged, state)]
+    store = open_store("memory://?capacity=4MiB&pinned=auto")
+    before = HostTransfer(source.cpu())
+    assert transfer.save(store, items) == [True] * len(items)
+    moved = [replace(p, block=p.block + 8) for p in items]
+    assert transfer.load(store, moved) == [True] * len(items)
+    torch.cuda.synchronize()
+    after = HostTransfer(source.cpu())
+    for p, into in zip(items, moved):
+        assert bytes(store.get(p.key)) == before.gather(p.group, p.block).tobytes()
+        assert np.array_equal(after.gather(into.group, into.block), before.gather(p.group, p.block))
+    assert {where: (slot, slot.host.data_ptr(), slot.table.host.data_ptr())
+            for where, slot in transfer._slots.items()} == made

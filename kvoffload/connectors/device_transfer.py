@@ -5,12 +5,19 @@ the compute that wrote the blocks (saves) or before the compute that reads them 
 waits and events, so compute is never stalled by the host. Two staging slots per direction let the
 next batch move while the store takes the last one.
 
+Warm start (`warm_up`, run by the `Offloader` that owns the transfer, so at an engine's start): the four
+staging slots, their tile tables and the copy kernel for every word size the layout's spans can use are
+made before the first request. Made lazily, they cost the first restore of a process (the restart
+that offload exists for) some 100-200 ms: page-locking 512 MiB and compiling kernels.
+
 Only torch's stream, event and pinned-memory calls are used: on ROCm builds of torch they are HIP's.
 On a CPU buffer the same code runs without streams (used by the tests on machines without a GPU)."""
 
 from __future__ import annotations
 
 import ctypes
+import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 
@@ -20,10 +27,11 @@ import torch
 from ..spec import CacheGroup
 from ..store import Store
 from .plan import Page
-from .span_copy import SpanCopier, TileTable
+from .span_copy import TILE_WORDS, SpanCopier, TileTable
 from .transfer import page_spans
 
-DEFAULT_STAGING_BYTES = 128 << 20  # per slot; two slots per direction, allocated on first use
+DEFAULT_STAGING_BYTES = 128 << 20  # per slot; two slots per direction, made by `warm_up`
+MAX_RESERVED_TILES = 1 << 20  # tile-table rows made ahead per slot (24 MiB); a larger batch grows its table
 
 
 class _Slot:
@@ -57,6 +65,47 @@ class DeviceTransfer:
                         if self.gpu else {})
         self._slots: dict[tuple[str, int], _Slot] = {}
         self._templates: dict[int, tuple] = {}
+        self.warm_up_s: float | None = None  # the warm start's cost, once `warm_up` ran
+
+    def warm_up(self, groups: Sequence[CacheGroup]) -> float:
+        """Make now what a first save or load of `groups`' pages would make: both directions' staging
+        slots at full size (page-locked host, device), their tile tables sized for a slot of the
+        smallest page, and the copy kernel for every word size their spans can be moved in. Returns
+        (and keeps in `warm_up_s`) its cost in seconds; nothing to do on the CPU."""
+        started = time.perf_counter()
+        if self.gpu and groups:
+            size = max(self.staging_bytes, max(g.used_bytes_per_block for g in groups))
+            rows = max(self._tile_rows(g) for g in groups)
+            for direction in ("save", "load"):
+                for index in (0, 1):
+                    slot = self._slot(direction, index, size)
+                    slot.table.reserve(rows)
+            slot = self._slots[("save", 0)]
+            with self._on("save"):
+                for w in (8, 4, 2, 1):  # one read of w bytes of the cache compiles (or loads) word size w
+                    if w >= self._word_floor(groups):
+                        one = np.asarray([w], dtype=np.int64)
+                        self.copier.gather(np.zeros(1, dtype=np.int64), one, slot.device, np.zeros(1, dtype=np.int64),
+                                           slot.table)
+            torch.cuda.synchronize(self.device)
+        self.warm_up_s = time.perf_counter() - started
+        return self.warm_up_s
+
+    def _tile_rows(self, group: CacheGroup) -> int:
+        """Tile-table rows a full slot of `group`'s pages needs (every span of every page, cut in tiles)."""
+        _, _, length, _ = self._template(group)
+        pages = max(1, self.staging_bytes // max(1, group.used_bytes_per_block))
+        tiles = pages * int(np.sum(-(-length // TILE_WORDS)))  # in bytes: at least the tiles of any word size
+        return min(tiles, MAX_RESERVED_TILES)
+
+    def _word_floor(self, groups: Sequence[CacheGroup]) -> int:
+        """The smallest word any batch of these groups' spans can be moved in (the gcd of every offset,
+        stride and length, with the buffer's and the slots' sizes)."""
+        g = math.gcd(self.buffer.storage_offset(), self.buffer.numel(), self.staging_bytes)
+        for group in groups:
+            base, stride, length, rel = self._template(group)
+            g = math.gcd(g, group.used_bytes_per_block, int(np.gcd.reduce(np.concatenate([base, stride, length, rel]))))
+        return next(w for w in (8, 4, 2, 1) if g % w == 0)
 
     # -- batches and staging -------------------------------------------------------------------------
     def batches(self, items: Sequence[Page]) -> list[Sequence[Page]]:

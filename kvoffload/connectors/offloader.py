@@ -57,6 +57,8 @@ class Offloader:
     def __init__(self, store: Store, layout: CacheLayout, transfer: Transfer, observer: Observer | None = None):
         self.store, self.layout, self.observer = store, layout, observer
         self.transfer: Transfer = transfer
+        # The first request pays no set-up: staging, kernels (see `Transfer.warm_up`); its cost, seconds:
+        self.warm_up_s = transfer.warm_up(layout.cacheable_groups)
         self.counters: Counter[str] = Counter()
         self._counter_lock = threading.Lock()  # loads and saves may run on background threads (`jobs`)
         # A store that can never take some group's page (a capacity below one page) can never serve a hit

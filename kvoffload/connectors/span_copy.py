@@ -93,14 +93,18 @@ class TileTable:
         self.device, self.rows = device, 0
         self.host = self.on_device = None
 
+    def reserve(self, rows: int) -> None:
+        """Room for at least `rows` tiles (grown by doubling: a few pinned allocations in a lifetime)."""
+        if rows > self.rows:
+            self.rows = max(rows, 2 * self.rows, 1024)
+            self.host = torch.empty((self.rows, 3), dtype=torch.int64, pin_memory=True)
+            self.on_device = torch.empty((self.rows, 3), dtype=torch.int64, device=self.device)
+
     def fill(self, src_at: np.ndarray, dst_at: np.ndarray, words: np.ndarray) -> torch.Tensor:
         count = (words + TILE_WORDS - 1) // TILE_WORDS
         span = np.repeat(np.arange(len(words)), count)
         step = (np.arange(len(span)) - np.repeat(np.cumsum(count) - count, count)) * TILE_WORDS
-        if len(span) > self.rows:
-            self.rows = max(len(span), 2 * self.rows, 1024)
-            self.host = torch.empty((self.rows, 3), dtype=torch.int64, pin_memory=True)
-            self.on_device = torch.empty((self.rows, 3), dtype=torch.int64, device=self.device)
+        self.reserve(len(span))
         rows = self.host.numpy()[:len(span)]
         rows[:, 0] = src_at[span] + step
         rows[:, 1] = dst_at[span] + step

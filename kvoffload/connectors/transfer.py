@@ -23,6 +23,9 @@ class Transfer(Protocol):
 
     gpu: bool  # copies run on device streams: a save waits on them without the GIL (see `jobs`)
 
+    def warm_up(self, groups: Sequence[CacheGroup]) -> float:
+        """Set up now what the first move of these groups' pages needs (buffers, kernels); seconds spent."""
+
     def fence(self):
         """An ordering token for `after` (None where copies need none)."""
 
@@ -56,6 +59,10 @@ class HostTransfer:
 
     def __init__(self, buffer):
         self.buffer = _as_bytes(buffer)
+
+    def warm_up(self, groups: Sequence[CacheGroup]) -> float:
+        """Plain copies need no set-up."""
+        return 0.0
 
     def fence(self) -> None:
         """Host copies need no ordering token (the device transfer returns an event)."""

@@ -86,8 +86,8 @@ class _Worker:
         if budget and front is not None:
             self.prefetcher = Prefetcher(store, budget, name=f"kvoffload-prefetch-tp{self.tp_rank}")
         self.layout = layout
-        log.info("KVOffloadConnector: %s, %d bytes stored per block", self.store_url,
-                 layout.stored_bytes_per_block())
+        log.info("KVOffloadConnector: %s, %d bytes stored per block, transfer warm start %.0f ms", self.store_url,
+                 layout.stored_bytes_per_block(), 1e3 * self.offloader.warm_up_s)
 
     def start_load_kv(self, meta) -> None:
         """Submit this step's loads; they finish in the background (reported by get_transfer_results)."""

@@ -28,12 +28,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeGuard
 
 import xxhash
 
 from ..errors import ConfigError
-from ..paths import weight_digest_cache
 from ..flock import flock_within
+from ..paths import weight_digest_cache
 
 # Config fields that cannot change a KV byte: where the config was read from, and which library wrote it.
 UNBOUND_CONFIG_FIELDS = frozenset({"_name_or_path", "transformers_version", "_commit_hash"})
@@ -199,7 +200,7 @@ def weights_digest(path: str, *, cache_path: str | None = None,
 
 def _cached(cache: _DigestCache, files: Iterable[str], entries: dict | None = None) -> dict[str, str]:
     entries = cache.load() if entries is None else entries
-    found = {}
+    found: dict[str, str] = {}
     for f in files:
         entry = entries.get(os.path.realpath(f))
         digest = entry.get("xxh3_128") if isinstance(entry, dict) else None
@@ -208,7 +209,7 @@ def _cached(cache: _DigestCache, files: Iterable[str], entries: dict | None = No
     return found
 
 
-def _is_digest(value) -> bool:
+def _is_digest(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and len(value) == 32 and all(c in "0123456789abcdef" for c in value)
 
 

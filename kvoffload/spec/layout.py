@@ -22,7 +22,7 @@ from functools import cached_property
 PAGE_FORMAT_VERSION = 1
 
 
-class GroupKind(str, enum.Enum):
+class GroupKind(enum.StrEnum):
     PAGED = "paged"
     STATE = "state"
     SKIP = "skip"

@@ -31,6 +31,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import LayoutError
 from .keys import _framed
@@ -304,7 +305,7 @@ def check_agreement(view: KindsLayout, layout: CacheLayout) -> None:
 def _regions(layer_names, specs_by_layer, tensor_of, kv_cache_layout, kv_caches) -> tuple[Region, ...]:
     """The group's layers, tensor by tensor; each run of consecutive same-spec layers is one region. Its
     content is the spec's page content and, where the worker's tensors are given, their dim orders."""
-    members: dict[int, tuple[object, list[tuple[int, str]]]] = {}
+    members: dict[int, tuple[Any, list[tuple[int, str]]]] = {}  # id -> (vLLM's KVCacheTensor, its layers)
     for name in layer_names:
         if name not in tensor_of:
             raise UnsupportedLayoutError(f"layer {name!r} has no entry in kv_cache_config.kv_cache_tensors")

@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from .base import Store
 from .errors import EntryTooLargeError, IncompatibleStoreError, StoreConfigError
+from .inspect import inspect_store
 from .lmdb_store import LMDBStore
 from .memory import MemoryStore
 from .spec import LMDBSpec, MemorySpec, RedisSpec, StoreSpec, TieredSpec, parse_store_url
 from .tiered import TieredStore
 from .url import parse_size, redact_url
-
-from .inspect import inspect_store
 
 __all__ = ["Store", "open_store", "open_spec", "shared_store", "parse_store_url", "MemoryStore", "LMDBStore",
            "TieredStore", "StoreConfigError", "EntryTooLargeError", "IncompatibleStoreError", "parse_size",
@@ -74,7 +75,9 @@ def _tiered(spec: TieredSpec, fingerprint, url: str | None) -> Store:
                        **spec.behind_options())
 
 
-_OPENERS = {MemorySpec: _memory, LMDBSpec: _lmdb, RedisSpec: _redis, TieredSpec: _tiered}
+# spec type -> its opener (each takes that spec type; `open_spec` looks it up by the spec's own type)
+_OPENERS: dict[type, Callable[[Any, bytes | str | None, str | None], Store]] = {
+    MemorySpec: _memory, LMDBSpec: _lmdb, RedisSpec: _redis, TieredSpec: _tiered}
 
 _shared: dict[str, tuple[Store, bytes | None]] = {}
 _shared_lock = threading.Lock()

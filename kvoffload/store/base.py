@@ -79,13 +79,13 @@ class Store(ABC):
     def _usage(self) -> dict[str, int]:
         """Tier-specific figures for `stats()`: at least entries and bytes_used."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - an optional hook: tiers without resources keep this no-op
         """Release resources; the store must not be used afterwards."""
 
     # -- clearing (a connector's reset) ---------------------------------------------------------------
     # Keys are digests: no tier can tell which deployment wrote an entry. So a tier remembers who uses it
     # (`claim`, a key namespace) and clears everything only while nobody else ever did.
-    def claim(self, owner: str) -> None:
+    def claim(self, owner: str) -> None:  # noqa: B027 - an optional hook: a tier that never clears ignores it
         """Record that `owner` (a key namespace) keeps entries here; `clear` refuses once others did."""
 
     def clear(self, owner: str) -> bool:
@@ -164,7 +164,7 @@ class Store(ABC):
         self.read_many(keys, consume)
         return leases
 
-    def release(self, leases: Iterable[Lease | None]) -> None:
+    def release(self, leases: Iterable[Lease | None]) -> None:  # noqa: B027 - the default acquire copies: nothing held
         """Give back what `acquire` held (None entries and private copies are ignored)."""
 
     # -- derived forms ------------------------------------------------------------------------------

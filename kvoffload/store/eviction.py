@@ -142,4 +142,5 @@ class S3FIFO:
 
 def make_policy(name: str, capacity: int) -> LRU | S3FIFO:
     """The policy `name` (one of POLICIES) for an arena of `capacity` bytes."""
-    return {"lru": LRU, "s3fifo": S3FIFO}[name](capacity)
+    policies: dict[str, type[LRU] | type[S3FIFO]] = {"lru": LRU, "s3fifo": S3FIFO}
+    return policies[name](capacity)

@@ -29,6 +29,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from typing import cast
 
 import numpy as np
 
@@ -243,12 +244,13 @@ class MemoryStore(Store):
         with self._lock:
             for key in keys:
                 entry = self._index.get(key)
-                if entry is not None:
-                    if touch:
-                        self._policy.touch(key)
-                    self._holds[entry[0]] = self._holds.get(entry[0], 0) + 1
-                    entry = (entry[0], self._view(*entry))
-                held.append(entry)
+                if entry is None:
+                    held.append(None)
+                    continue
+                if touch:
+                    self._policy.touch(key)
+                self._holds[entry[0]] = self._holds.get(entry[0], 0) + 1
+                held.append((entry[0], self._view(*entry)))
         if touch:
             hits = [h[1].nbytes for h in held if h is not None]
             self._count(hits=len(hits), misses=len(keys) - len(hits), get_bytes=sum(hits))
@@ -278,7 +280,7 @@ class MemoryStore(Store):
 
     def publish(self, reservation: Reservation, filled: Sequence[bool]) -> list[bool]:
         """Index the slots `filled` marks (replacing older values of their keys), free the others."""
-        items, batch = reservation.items, reservation.handle
+        items, batch = reservation.items, cast(dict[int, int], reservation.handle)  # ours: item -> slot
         written = [False] * len(items)
         with self._lock:
             self._pending -= len(batch)
@@ -329,7 +331,7 @@ class MemoryStore(Store):
         try:
             for i, entry in enumerate(held):
                 if entry is not None:
-                    consume(i, memoryview(entry[1]))  # outside the lock; the hold keeps the bytes
+                    consume(i, entry[1].data)  # outside the lock; the hold keeps the bytes
         finally:
             with self._lock:
                 self._release_holds(h[0] for h in held if h is not None)
@@ -343,8 +345,9 @@ class MemoryStore(Store):
             for key, entry in zip(keys, held):
                 lease = None
                 if entry is not None:
-                    lease = Lease(bytes(key), entry[1], next(_lease_ids))
-                    self._leases[lease.slot] = entry[0]
+                    lease_id = next(_lease_ids)
+                    lease = Lease(bytes(key), entry[1], lease_id)
+                    self._leases[lease_id] = entry[0]
                 leases.append(lease)
         return leases
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from . import entry
 from .base import Store
@@ -55,9 +56,10 @@ class RedisStore(Store):
     def __init__(self, spec: RedisSpec | str, fingerprint: bytes | str | None = None, url: str | None = None):
         super().__init__()
         if isinstance(spec, str):
-            spec, url = parse_store_url(spec), spec
-            if not isinstance(spec, RedisSpec):
-                raise StoreConfigError(f"RedisStore takes a redis:// URL, got {spec.url()!r}")
+            parsed, url = parse_store_url(spec), spec
+            if not isinstance(parsed, RedisSpec):
+                raise StoreConfigError(f"RedisStore takes a redis:// URL, got {parsed.url()!r}")
+            spec = parsed
         self.spec = spec
         self.url = redact_url(url) if url else spec.url()  # what logs and stats show: never the password
         self.fingerprint = entry.normalize_fingerprint(fingerprint)
@@ -76,7 +78,7 @@ class RedisStore(Store):
     # -- start-up ------------------------------------------------------------------------------------
     @staticmethod
     def _client_options(spec: RedisSpec) -> dict:
-        kwargs = {"socket_timeout": spec.timeout, "socket_connect_timeout": spec.timeout}
+        kwargs: dict[str, object] = {"socket_timeout": spec.timeout, "socket_connect_timeout": spec.timeout}
         if spec.username:
             kwargs["username"] = spec.username
         if spec.password:
@@ -144,7 +146,7 @@ class RedisStore(Store):
                 raise
         return results
 
-    def _route(self, keys: Sequence[bytes]) -> tuple[list[tuple[str, object, list[int]]], int, int]:
+    def _route(self, keys: Sequence[bytes]) -> tuple[list[tuple[str, Any, list[int]]], int, int]:
         """(node name, its client, indices of `keys`) per node owning some of them, how many keys are on
         a node that failed within the last seconds (skipped: misses instead of a timeout per call; the
         standalone server is the node "") and how many are in slots no node covers."""
@@ -153,7 +155,7 @@ class RedisStore(Store):
             if self._down_until.get("", 0.0) > now:
                 return [], len(keys), 0
             return [("", self.client, list(range(len(keys))))], 0, 0
-        groups: dict[str, tuple[object, list[int]]] = {}
+        groups: dict[str, tuple[Any, list[int]]] = {}  # redis-py's node objects (untyped)
         skipped = uncovered = 0
         for i, key in enumerate(keys):
             try:
@@ -205,7 +207,7 @@ class RedisStore(Store):
         if time.monotonic() - self._refreshed < 1.0:
             return
         self._refreshed = time.monotonic()
-        last = max(self._down_until, key=self._down_until.get, default=None)
+        last = max(self._down_until, key=lambda name: self._down_until[name], default=None)
         try:
             self.client.nodes_manager.initialize(last_failed_node_name=last)
         except Exception as exc:  # noqa: BLE001 - any failure leaves the old map in place
@@ -225,7 +227,7 @@ class RedisStore(Store):
         views = self._views(items, overhead=self.entry_overhead)
         written = [False] * len(views)
         batch, size = [], 0
-        for i, (key, view) in enumerate(views):
+        for i, (_key, view) in enumerate(views):
             batch.append(i)
             size += view.nbytes
             if size >= PIPELINE_BYTES or i == len(views) - 1:

@@ -6,8 +6,9 @@ passwords replaced by *** (for logs and errors); `spec.url(redact=False)` parses
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Union
+from typing import ClassVar
 from urllib.parse import quote, unquote, urlencode, urlsplit
 
 from .errors import StoreConfigError
@@ -97,7 +98,7 @@ class RedisSpec:
             if self.password is not None:
                 user += ":" + ("***" if redact else quote(self.password, safe=""))
             user += "@"
-        options = {"namespace": self.namespace, "timeout": repr(self.timeout), **dict(self.tls)}
+        options: dict[str, object] = {"namespace": self.namespace, "timeout": repr(self.timeout), **dict(self.tls)}
         if self.capacity is not None:
             options["capacity"] = self.capacity
         path = "" if self.cluster else str(self.db)
@@ -119,7 +120,8 @@ class TieredSpec:
 
     def url(self, redact: bool = True) -> str:
         m = self.memory
-        options = dict(memory=m.capacity, pinned=m.pinned, reserve=m.reserve, evict=m.evict, write=self.write)
+        options: dict[str, object] = dict(memory=m.capacity, pinned=m.pinned, reserve=m.reserve, evict=m.evict,
+                                          write=self.write)
         if self.lmdb:
             options.update(lmdb=self.lmdb.path, lmdb_capacity=self.lmdb.capacity)
             if self.lmdb.evict != "lru":
@@ -140,7 +142,7 @@ class TieredSpec:
         return {k: v for k, v in given.items() if v is not None}
 
 
-StoreSpec = Union[MemorySpec, LMDBSpec, RedisSpec, TieredSpec]
+StoreSpec = MemorySpec | LMDBSpec | RedisSpec | TieredSpec
 
 
 def _memory(parsed: StoreURL, url: str) -> MemorySpec:

@@ -118,10 +118,11 @@ def redact_url(url: str) -> str:
         else:
             spans.append([start, end])
     for start, end in reversed(spans):
-        at = None
-        for at in _AT.finditer(url, start, end):
-            pass
-        colon = at and _COLON.search(url, start, at.start())
+        ats = list(_AT.finditer(url, start, end))
+        if not ats:
+            continue
+        at = ats[-1]  # the last '@' of the span
+        colon = _COLON.search(url, start, at.start())
         if colon:
             url = url[:colon.end()] + "***" + url[at.start():]
     return url

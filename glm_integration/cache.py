@@ -74,7 +74,10 @@ class PagedCache:
         self.kda_groups = [self.kda_layers[i:i + per_group] for i in range(0, len(self.kda_layers), per_group)]
 
         cursor = 0
-        self._latent, self._index, self._kda, self._ring = {}, {}, {}, {}
+        self._latent: dict[int, _Page] = {}  # layer -> its page in a block; likewise below
+        self._index: dict[int, _Page] = {}
+        self._kda: dict[int, _Page] = {}
+        self._ring: dict[int, _Page] = {}
         for table, layers, nbytes in ((self._latent, self.mla_layers, self.latent_bytes),
                                       (self._index, self.mla_layers, self.index_bytes),
                                       (self._kda, self.kda_layers, self.kda_bytes),
@@ -146,7 +149,7 @@ class PagedCache:
 
     def _describe(self, model_id: str) -> CacheLayout:
         dt = str(self.dtype).removeprefix("torch.")
-        groups = []
+        groups: list[CacheGroup] = []
         if self.mla_layers:
             index_dtype = "float32" if self.index_format == "fp32" else "float8_e4m3fn+float32"
             groups.append(CacheGroup(len(groups), "mla", GroupKind.PAGED, self.block_size, (
@@ -163,4 +166,5 @@ class PagedCache:
         return CacheLayout(model_id=model_id, groups=tuple(groups), block_size=self.block_size,
                            hash_block_size=self.block_size, hit_alignment=lcm(self.block_size, self.kpool),
                            num_blocks=self.num_blocks, buffer_sizes=(self.buffer.numel(),), index_kpool=self.kpool,
-                           tp_rank=self.tp_rank, tp_size=self.tp_size, extra=(("dtype", dt), ("index_format", self.index_format)))
+                           tp_rank=self.tp_rank, tp_size=self.tp_size,
+                           extra=(("dtype", dt), ("index_format", self.index_format)))

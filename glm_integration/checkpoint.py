@@ -207,7 +207,8 @@ def write_checkpoint(
     files = [SINGLE_FILE] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
     ]
-    weight_map, total = {}, 0
+    weight_map: dict[str, str] = {}
+    total = 0
     for file, entries in zip(files, shards):
         tensors = {}
         for name, shape in entries:
@@ -239,7 +240,8 @@ def write_checkpoint(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m glm_integration.checkpoint", description="Write a deterministic random GLM-5.3-Flash checkpoint."
+        prog="python -m glm_integration.checkpoint",
+        description="Write a deterministic random GLM-5.3-Flash checkpoint.",
     )
     parser.add_argument("--preset", required=True, choices=sorted(PRESETS))
     parser.add_argument("--seed", type=int, required=True)

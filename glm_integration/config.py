@@ -234,9 +234,9 @@ class GlmConfig:
             vocab_size=get("vocab_size", 154880),
             hidden_size=get("hidden_size", 4096),
             num_hidden_layers=n,
-            layer_types=layer_types,
-            mlp_layer_types=mlp_layer_types,
-            indexer_types=indexer_types,
+            layer_types=tuple(layer_types),  # __post_init__ checks the names
+            mlp_layer_types=tuple(mlp_layer_types),
+            indexer_types=tuple(indexer_types),
             num_attention_heads=heads,
             q_lora_rank=get("q_lora_rank", 1536),
             kv_lora_rank=get("kv_lora_rank", 512),

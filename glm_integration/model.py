@@ -11,7 +11,7 @@ from .config import GlmConfig
 from .kernels import ops
 from .layers.attention import MLAttention
 from .layers.chunk import Chunk
-from .layers.feed_forward import MoE, DenseMLP
+from .layers.feed_forward import DenseMLP, MoE
 from .layers.hyper_connection import HyperConnection
 from .layers.linear_attention import LinearAttention
 
@@ -21,6 +21,7 @@ class DecoderLayer:
         prefix = f"layers.{index}"
         self.eps = config.rms_norm_eps
         self.kind = config.layer_types[index]
+        self.attn: LinearAttention | MLAttention
         if self.kind == "linear_attention":
             self.attn = LinearAttention(config, weights, f"{prefix}.self_attn", index)
         else:
@@ -36,7 +37,7 @@ class DecoderLayer:
     def __call__(self, streams, chunk: Chunk, cache, mask):
         post, comb, h = self.attn_hc.weights(streams)
         h = ops.rms_norm(h, self.attn_norm, self.eps)
-        if self.kind == "linear_attention":
+        if isinstance(self.attn, LinearAttention):  # the layer kind is linear_attention
             h = self.attn(h, chunk, cache)
         else:
             h, mask = self.attn(h, chunk, cache, mask)

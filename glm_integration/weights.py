@@ -101,7 +101,8 @@ def _mlp_shapes(c: GlmConfig, mlp_type: str) -> list[tuple[str, tuple[int, ...]]
     H = c.hidden_size
     if mlp_type == "dense":
         I = c.intermediate_size  # noqa: E741
-        out = [("gate_proj.weight", (I, H)), ("up_proj.weight", (I, H)), ("down_proj.weight", (H, I))]
+        out: list[tuple[str, tuple[int, ...]]] = [
+            ("gate_proj.weight", (I, H)), ("up_proj.weight", (I, H)), ("down_proj.weight", (H, I))]
     else:
         E, I, S = c.n_routed_experts, c.moe_intermediate_size, c.moe_intermediate_size * c.n_shared_experts  # noqa: E741
         out = [
@@ -216,10 +217,10 @@ def _fuse_release_format(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Te
             convs.setdefault(m.group(1), {})[m.group(2)] = t
         else:
             out[name] = t
-    for prefix, parts in experts.items():
+    for prefix, per_proj in experts.items():
         stacked = {}
         for proj in ("gate_proj", "up_proj", "down_proj"):
-            by_index = parts.get(proj, {})
+            by_index = per_proj.get(proj, {})
             if sorted(by_index) != list(range(len(by_index))) or not by_index:
                 raise ModelConfigError(f"{prefix}: per-expert {proj} tensors are incomplete "
                                        f"(have {sorted(by_index)[:8]}...)")
@@ -288,7 +289,8 @@ def load_weights(directory: str, config: GlmConfig | None = None) -> dict[str, t
     unexpected = [
         n
         for n in out
-        if n not in expected and not (n.startswith("mtp.") and (not config.num_nextn_predict_layers or n[4:] in _MTP_OPTIONAL))
+        if n not in expected
+        and not (n.startswith("mtp.") and (not config.num_nextn_predict_layers or n[4:] in _MTP_OPTIONAL))
     ]
     if unexpected:
         raise ModelConfigError(f"{directory}: {len(unexpected)} unexpected tensors: {_few(unexpected)}")

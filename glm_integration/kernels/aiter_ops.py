@@ -41,6 +41,7 @@ import contextlib
 import importlib
 import inspect
 import logging
+import types
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,7 @@ try:
 except ImportError as exc:
     raise ImportError(f"aiter is not installed (it ships with ROCm builds, e.g. for MI300/MI355X): {exc}") from exc
 
+_fallback: types.ModuleType
 try:
     from . import triton_ops as _fallback
 except ImportError:

@@ -264,30 +264,32 @@ def select_pools(scores, visible, k):
 # -- MoE: routed experts, token by token ---------------------------------------------------------------
 
 @triton.jit
-def _moe_up_kernel(x, idx, gate_up, hidden, K, D, I, limit, BI: tl.constexpr, BD: tl.constexpr):
+def _moe_up_kernel(x, idx, gate_up, hidden, K, D, NI, limit, BI: tl.constexpr, BD: tl.constexpr):
     """One (token-expert pair, intermediate block): clamped SwiGLU of the expert's gate and up rows."""
     pair = tl.program_id(0)
     t = pair // K
     e = tl.load(idx + pair).to(tl.int64)
     oi = tl.program_id(1) * BI + tl.arange(0, BI)
-    mi = oi < I
+    mi = oi < NI
     gate = tl.zeros([BI], tl.float32)
     up = tl.zeros([BI], tl.float32)
-    base = gate_up + e * 2 * I * D
+    base = gate_up + e * 2 * NI * D
     for d0 in range(0, D, BD):
         od = d0 + tl.arange(0, BD)
         md = od < D
         xv = tl.load(x + t * D + od, mask=md, other=0.0).to(tl.float32)
         m2 = mi[:, None] & md[None, :]
-        gate += tl.sum(tl.load(base + oi[:, None] * D + od[None, :], mask=m2, other=0.0).to(tl.float32) * xv[None, :], 1)
-        up += tl.sum(tl.load(base + (I + oi[:, None]) * D + od[None, :], mask=m2, other=0.0).to(tl.float32) * xv[None, :], 1)
+        gate_rows = tl.load(base + oi[:, None] * D + od[None, :], mask=m2, other=0.0).to(tl.float32)
+        up_rows = tl.load(base + (NI + oi[:, None]) * D + od[None, :], mask=m2, other=0.0).to(tl.float32)
+        gate += tl.sum(gate_rows * xv[None, :], 1)
+        up += tl.sum(up_rows * xv[None, :], 1)
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
-    tl.store(hidden + pair * I + oi, gate * tl.sigmoid(gate) * up, mask=mi)
+    tl.store(hidden + pair * NI + oi, gate * tl.sigmoid(gate) * up, mask=mi)
 
 
 @triton.jit
-def _moe_down_kernel(hidden, idx, weights, down, out, K, D, I, BD: tl.constexpr, BI: tl.constexpr):
+def _moe_down_kernel(hidden, idx, weights, down, out, K, D, NI, BD: tl.constexpr, BI: tl.constexpr):
     """One (token, output block): the token's experts summed in rank order."""
     t = tl.program_id(0)
     od = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -296,11 +298,11 @@ def _moe_down_kernel(hidden, idx, weights, down, out, K, D, I, BD: tl.constexpr,
     for j in range(K):
         e = tl.load(idx + t * K + j).to(tl.int64)
         part = tl.zeros([BD], tl.float32)
-        for i0 in range(0, I, BI):
+        for i0 in range(0, NI, BI):
             oi = i0 + tl.arange(0, BI)
-            mi = oi < I
-            hv = tl.load(hidden + (t * K + j) * I + oi, mask=mi, other=0.0)
-            wd = tl.load(down + e * D * I + od[:, None] * I + oi[None, :], mask=md[:, None] & mi[None, :], other=0.0)
+            mi = oi < NI
+            hv = tl.load(hidden + (t * K + j) * NI + oi, mask=mi, other=0.0)
+            wd = tl.load(down + e * D * NI + od[:, None] * NI + oi[None, :], mask=md[:, None] & mi[None, :], other=0.0)
             part += tl.sum(wd.to(tl.float32) * hv[None, :], 1)
         acc += part * tl.load(weights + t * K + j).to(tl.float32)
     tl.store(out + t * D + od, acc.to(out.dtype.element_ty), mask=md)

@@ -24,7 +24,8 @@ class DenseMLP:
 class MoE:
     def __init__(self, config, weights, prefix: str):
         self.top_k, self.groups, self.topk_groups = config.num_experts_per_tok, config.n_group, config.topk_group
-        self.norm_topk, self.scaling, self.limit = config.norm_topk_prob, config.routed_scaling_factor, config.swiglu_limit
+        self.norm_topk, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
+        self.limit = config.swiglu_limit
         self.router = weights[f"{prefix}.gate.weight"]
         self.bias = weights[f"{prefix}.gate.e_score_correction_bias"]
         self.gate_up = weights[f"{prefix}.experts.gate_up_proj"]

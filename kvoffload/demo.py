@@ -35,7 +35,8 @@ def report_lines(report: dict) -> list[str]:
         f"{by_group}; tail ring 0)",
         f"                 storing the whole packed block under every group key would take "
         f"{t['whole_packed_block_bytes_per_token']:.0f} B per token",
-        f"prefill          cold {t['cold_prefill_seconds'] * 1e3:.0f} ms, warm {t['warm_prefill_seconds'] * 1e3:.0f} ms "
+        f"prefill          cold {t['cold_prefill_seconds'] * 1e3:.0f} ms, "
+        f"warm {t['warm_prefill_seconds'] * 1e3:.0f} ms "
         f"(warm computes only the uncached suffix)",
         f"throughput       save {_rate(cold.get('saved_bytes', 0), cold.get('save_microseconds', 0))}, "
         f"load {_rate(warm.get('loaded_bytes', 0), warm.get('load_microseconds', 0))}",

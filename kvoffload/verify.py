@@ -23,10 +23,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .errors import ConfigError
-from .paths import preset_model_dir
 from .connectors.plan import max_hit_blocks, pages_for_load
 from .connectors.runner import RunnerConnector
+from .errors import ConfigError
+from .paths import preset_model_dir
 from .spec import GroupKind
 from .store import MemorySpec, StoreConfigError, open_store, parse_store_url
 from .store.url import redact_url
@@ -235,7 +235,7 @@ def compare(cases, cold: PhaseResult, warm: PhaseResult, layout, block_size: int
                 pages_equal=pages_equal, hit_tokens=hit, expected_hit_tokens=expected,
                 restored_pages=len(restored), cold_prefill_seconds=cold.prefill_seconds[c][i],
                 warm_prefill_seconds=warm.prefill_seconds[c][i]))
-    blocks_saved = {}
+    blocks_saved: dict[str, int] = {}
     for p in saved.values():
         blocks_saved.setdefault(p["group"], 0)
         blocks_saved[p["group"]] += 1
@@ -312,10 +312,12 @@ def verify(store_url: str, *, model_dir: str | None = None, preset: str = "tiny"
     else:
         with open_store(store_url, fingerprint=layout.fingerprint) as store:
             progress(started)
-            cold = run_phase(model_dir, store, namespace, cases, block_size, max_tokens, progress=progress, **run)
+            cold = run_phase(model_dir, store, namespace, cases, block_size, max_tokens, progress=progress,
+                             device=device, kernels=kernels)
             if not restart:
                 progress("[verify] device cache dropped; warm run")
-                warm = run_phase(model_dir, store, namespace, cases, block_size, max_tokens, progress=progress, **run)
+                warm = run_phase(model_dir, store, namespace, cases, block_size, max_tokens, progress=progress,
+                                 device=device, kernels=kernels)
         if restart:
             progress("[verify] device cache dropped, process restarted; warm run")
             warm = _phase_in_new_process(*phase)

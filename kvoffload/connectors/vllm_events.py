@@ -45,7 +45,7 @@ def medium_for(scheme: str) -> str:
 @dataclass
 class _Block:
     hashes: list  # vLLM's block hashes of this physical block (ExternalBlockHash)
-    parent: object  # the hash before it, None for the first block
+    parent: bytes | int | None  # the hash before it (an ExternalBlockHash), None for the first block
     token_ids: list[int]
     lora_id: int | None
     lora_name: str | None

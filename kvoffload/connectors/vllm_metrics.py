@@ -5,8 +5,9 @@ counters on vLLM's Prometheus endpoint as `vllm:kvoffload_<name>_total`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
+from prometheus_client import Counter
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 COUNTERS = {
@@ -52,8 +53,10 @@ class KVOffloadStats(KVConnectorStats):
 class KVOffloadPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {
-            name: self._counter_cls(name=f"vllm:kvoffload_{name}", documentation=doc, labelnames=labelnames)
+        # metric_types[Counter]: prometheus's Counter or a drop-in for it (vLLM's Ray wrappers); typed as the former
+        self._counters: dict[str, Counter] = {
+            name: cast(Counter, self._counter_cls(name=f"vllm:kvoffload_{name}", documentation=doc,
+                                                  labelnames=labelnames))
             for name, doc in COUNTERS.items()
         }
 

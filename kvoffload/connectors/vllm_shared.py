@@ -61,7 +61,9 @@ class StoredPages(KVConnectorWorkerMetadata):
     cleared: dict[int, int] = field(default_factory=dict)  # reset generation -> workers that cleared for it
     evicted: set[bytes] = field(default_factory=set)
 
-    def aggregate(self, other: StoredPages) -> StoredPages:
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> StoredPages:
+        if not isinstance(other, StoredPages):  # every worker of an engine runs this connector
+            raise TypeError(f"StoredPages cannot aggregate {type(other).__name__}")
         done = dict(self.done_jobs)
         for job, count in other.done_jobs.items():
             done[job] = done.get(job, 0) + count

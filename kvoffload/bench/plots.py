@@ -70,7 +70,8 @@ def _overhead(ax, result):
 
 
 def _transfer(ax, result):
-    labels, series = [], {"raw pinned memcpy": [], "staged (kvoffload)": []}
+    labels: list[str] = []
+    series: dict[str, list[float]] = {"raw pinned memcpy": [], "staged (kvoffload)": []}
     for workload, row in result["results"].items():
         for direction in ("save", "load", "both"):
             labels.append(f"{workload}\n{direction}")
@@ -81,7 +82,8 @@ def _transfer(ax, result):
 
 
 def _datapath(ax, result):
-    labels, series = [], {"raw baseline": [], "kvoffload": []}
+    labels: list[str] = []
+    series: dict[str, list[float]] = {"raw baseline": [], "kvoffload": []}
     for workload, row in result["results"].items():
         for direction in ("save", "load", "both"):
             labels.append(f"{workload}\narena {direction}")
@@ -107,7 +109,8 @@ def _redis(ax, result):
 
 def _faults(ax, result):
     r = result["results"]
-    rows = {"SIGKILL: acknowledged entries": (r["sigkill"]["acknowledged"], r["sigkill"]["lost"] + r["sigkill"]["wrong_bytes"]),
+    sigkill = r["sigkill"]
+    rows = {"SIGKILL: acknowledged entries": (sigkill["acknowledged"], sigkill["lost"] + sigkill["wrong_bytes"]),
             "damaged stores: reads": (r["corruption"]["reads"],
                                       r["corruption"]["wrong_bytes"] + r["corruption"]["crashed_or_failed"]),
             "threads x processes: operations": (r["concurrency"]["operations"], r["concurrency"]["wrong_bytes"])}
@@ -118,7 +121,8 @@ def _faults(ax, result):
 
 
 def _stall(ax, result):
-    labels, series = [], {"decode-only p50": [], "decode-only p99": []}
+    labels: list[str] = []
+    series: dict[str, list[float]] = {"decode-only p50": [], "decode-only p99": []}
     for scenario in ("save", "load"):
         for name, row in result["results"].items():
             labels.append(f"{scenario}\n{name.replace('kvoffload_', '')}")
@@ -152,10 +156,21 @@ def _prefetch(ax, result):
     ax.set(ylabel="ms (median)", title="A queued request, its prefix on LMDB only: with and without prefetch")
 
 
+def _warmstart(ax, result):
+    rows = [r for r in result["results"] if r["warm_start"]]
+    cold = {(r["block_size"], r["prefix_tokens"]): r for r in result["results"] if not r["warm_start"]}
+    _bars(ax, [f"block {r['block_size']}\n{r['prefix_tokens']} tok" for r in rows],
+          {"first restore, warm start": [r["first_of_raw"] for r in rows],
+           "first restore, set up on first use": [cold[(r["block_size"], r["prefix_tokens"])]["first_of_raw"]
+                                                  for r in rows],
+           "second restore": [r["second_of_raw"] for r in rows]})
+    ax.set(ylabel="of a raw pinned copy of the same bytes", title="The first restore of a fresh process")
+
+
 DRAW = {"store": _store, "footprint": _footprint, "ttft": _ttft, "vllm-ttft": _vllm_ttft, "overhead": _overhead,
         "transfer": _transfer, "redis": _redis, "faults": _faults,
         "datapath": _datapath, "stall": _stall, "trace": _trace,
-        "prefetch": _prefetch}
+        "prefetch": _prefetch, "warmstart": _warmstart}
 
 
 def plot(result: dict, json_path: str) -> str:

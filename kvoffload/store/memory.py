@@ -19,8 +19,8 @@ A watched arena (`watch_evictions`) reports the keys it evicted, after its lock 
 
 Lock order: one store lock (`_lock`), taken for bookkeeping only (no copy, no fill, no caller callback
 runs under it); the base class's counter lock is taken after it is released, never inside it. A tiered
-store may hold its own `_lock` while calling in (tiered._lock -> this lock): this lock is always the
-innermost."""
+store's write-behind may hold its lock while calling in (`tiered_behind.WriteBehind._lock` -> this lock):
+this lock is always the innermost."""
 
 from __future__ import annotations
 

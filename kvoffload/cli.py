@@ -7,12 +7,7 @@ import argparse
 import json
 import sys
 
-from .errors import KVOffloadError
-
-# What a user must change (a KVOffloadError: configuration, store, layout), reported in one line with exit
-# status 2; anything else is a bug: a traceback. The OS errors are about files named on the command line
-# (--prompts, --model, --out).
-INPUT_ERRORS = (KVOffloadError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+from .errors import INPUT_ERRORS, KVOffloadError
 
 BENCHMARKS = {"store": "store", "footprint": "footprint", "ttft": "ttft", "transfer": "transfer",
               "vllm-ttft": "vllm_ttft", "overhead": "overhead", "redis": "redis_tier", "faults": "faults",

@@ -18,3 +18,9 @@ class StoreError(KVOffloadError):
 
 class LayoutError(KVOffloadError, ValueError):
     """A KV cache layout kvoffload cannot offload (an unknown spec, views that disagree)."""
+
+
+# What a user must change (a KVOffloadError: configuration, store, layout), reported in one line with exit
+# status 2 by the CLI and by verify's child processes; anything else is a bug: a traceback. The OS errors
+# are about files named on the command line (--prompts, --model, --out).
+INPUT_ERRORS = (KVOffloadError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)

@@ -25,7 +25,7 @@ import torch
 
 from .connectors.plan import max_hit_blocks, pages_for_load
 from .connectors.runner import RunnerConnector
-from .errors import ConfigError
+from .errors import INPUT_ERRORS, ConfigError
 from .paths import preset_model_dir
 from .spec import GroupKind
 from .store import MemorySpec, StoreConfigError, open_store, parse_store_url
@@ -356,7 +356,6 @@ def _phase_in_new_process(model_dir, store_url, namespace, cases, block_size, ma
 def _phase_main(spec_path: str, out_path: str) -> int:
     with open(spec_path) as f:
         spec = json.load(f)
-    from .cli import INPUT_ERRORS
 
     started = time.perf_counter()
     try:

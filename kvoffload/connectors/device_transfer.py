@@ -28,7 +28,6 @@ from ..spec import CacheGroup
 from ..store import Store
 from .plan import Page
 from .span_copy import TILE_WORDS, SpanCopier, TileTable
-from .transfer import page_spans
 
 DEFAULT_STAGING_BYTES = 128 << 20  # per slot; two slots per direction, made by `warm_up`
 MAX_RESERVED_TILES = 1 << 20  # tile-table rows made ahead per slot (24 MiB); a larger batch grows its table
@@ -147,7 +146,7 @@ class DeviceTransfer:
         """Per span of a page, in page order: offset in block 0, block stride, length, offset in the page."""
         entry = self._templates.get(id(group))
         if entry is None or entry[0] is not group:
-            spans = np.asarray(page_spans(group, 0), dtype=np.int64)
+            spans = np.asarray(group.page_spans(0), dtype=np.int64)
             strides = np.asarray([r.block_stride for r in group.regions for _ in range(r.num_layers)], dtype=np.int64)
             entry = self._templates[id(group)] = (group, spans[:, 0], strides, spans[:, 1],
                                                   np.cumsum(spans[:, 1]) - spans[:, 1])

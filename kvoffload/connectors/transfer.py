@@ -40,8 +40,8 @@ class Transfer(Protocol):
 
 
 def page_spans(group: CacheGroup, block: int) -> list[tuple[int, int]]:
-    """(offset, length) of every layer's used bytes of `group` in physical `block`."""
-    return [(r.page_offset(layer, block), r.used_bytes) for r in group.regions for layer in range(r.num_layers)]
+    """(offset, length) of every layer's used bytes of `group` in physical `block` (`CacheGroup.page_spans`)."""
+    return group.page_spans(block)
 
 
 def _as_bytes(buffer) -> np.ndarray:

@@ -90,6 +90,10 @@ class CacheGroup:
         """Bytes one block of this group really holds, summed over its layers."""
         return sum(r.used_bytes * r.num_layers for r in self.regions)
 
+    def page_spans(self, block: int) -> list[tuple[int, int]]:
+        """(offset, length) of every layer's used bytes in physical `block`: a page is their concatenation."""
+        return [(r.page_offset(layer, block), r.used_bytes) for r in self.regions for layer in range(r.num_layers)]
+
     def geometry(self) -> dict:
         return {"name": self.name, "kind": self.kind.value, "block_size": self.block_size,
                 "tokens_per_state": self.tokens_per_state, "content": self.content,

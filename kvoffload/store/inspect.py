@@ -25,7 +25,7 @@ def inspect_store(url: str) -> dict:
 
 
 def _redis_stats(spec: RedisSpec, url: str | None) -> dict:
-    from . import open_spec
+    from .opening import open_spec
 
     with open_spec(spec, url=url) as store:
         return store.stats()

@@ -28,7 +28,7 @@ from .connectors.runner import RunnerConnector
 from .errors import INPUT_ERRORS, ConfigError
 from .paths import preset_model_dir
 from .spec import GroupKind
-from .store import MemorySpec, StoreConfigError, open_store, parse_store_url
+from .store import StoreConfigError, open_store, parse_store_url
 from .store.url import redact_url
 
 
@@ -275,7 +275,7 @@ def verify(store_url: str, *, model_dir: str | None = None, preset: str = "tiny"
     tier such as redis:// serving another instance)."""
     progress = progress or (lambda message: None)
     device = _check_device(device)
-    if (restart or separate) and isinstance(parse_store_url(store_url), MemorySpec):
+    if (restart or separate) and parse_store_url(store_url).process_local:
         raise StoreConfigError("memory:// lives in one process: use lmdb://, redis:// or tiered:// with "
                                "--restart or --separate")
     if block_size < 1 or max_tokens < 1:

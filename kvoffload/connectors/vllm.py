@@ -63,7 +63,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..spec import GroupKind, KeyChain
 from ..spec.vllm import UnsupportedLayoutError, key_context, scheduler_view
 from ..errors import ConfigError
-from ..store import MemorySpec, TieredSpec
 from .vllm_config import EXTRA_CONFIG_KEYS, ConnectorConfig
 from .vllm_identity import vllm_model_identity
 from .vllm_metrics import KVOffloadPromMetrics, KVOffloadStats
@@ -97,10 +96,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         # layout against it in register_kv_caches. Keys follow the physical block, not vLLM's (possibly
         # finer) hash unit. Groups TP ranks hold identically (MLA latent, indexer) are stored once per TP
         # group, unless each rank's store is private to its process (memory://).
-        share = not isinstance(config.spec, MemorySpec)
+        share = not config.spec.process_local
         dcp_size = int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
         self.view = scheduler_view(kv_cache_config, tp_size=self.tp_size, dcp_size=dcp_size, share_replicas=share)
-        if isinstance(config.spec, TieredSpec) and config.spec.admit > 1 and \
+        if config.spec.admit > 1 and \
                 any(g.tp_replicas > 1 for g in self.view.cacheable_groups):
             raise ConfigError("KVOffloadConnector: tiered:// admit= above 1 is not supported with tensor parallelism "
                               "on this model: TP ranks share some pages (written once, read by all), and a shared "

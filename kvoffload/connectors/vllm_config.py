@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..paths import vllm_store_url
-from ..store import StoreSpec, TieredSpec, parse_store_url
+from ..store import StoreSpec, parse_store_url
 from ..store.url import parse_size
 from .retention import DEFAULT, StateRetention
 
@@ -68,7 +68,7 @@ class ConnectorConfig:
     def prefetch_budget(self) -> int | None:
         """Prefetch's byte budget per worker: 0 off (also for stores without a slow tier behind memory),
         None the default (a quarter of the memory tier)."""
-        if not isinstance(self.spec, TieredSpec):
+        if self.spec.memory_front is None:
             return 0
         if self.prefetch_bytes is None or self.prefetch_bytes.strip() == "0":
             return None if self.prefetch_bytes is None else 0

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..spec import GroupKind, KeyChain, request_salt
 from ..spec.vllm import KindsLayout
-from ..store import MemorySpec, StoreSpec, TieredSpec, parse_store_url, shared_store
+from ..store import StoreSpec, parse_store_url, shared_store
 from ..store.url import redact_url
 from .plan import hit_and_junction, hit_blocks, store_key
 from .retention import DEFAULT, StateRetention
@@ -73,11 +73,10 @@ def _mirror_for(spec: StoreSpec, workers: int) -> _MirrorIndex | None:
     workers' reports: a memory:// store, and the memory front of a tiered:// store with admit > 1, where
     a page waits there for the use that admits it to the back tier. The back tier (LMDB, Redis) is read
     directly by the scheduler process; with admit=1 every page goes behind, so that is enough."""
-    if isinstance(spec, TieredSpec) and spec.admit > 1:
-        spec = spec.memory
-    if not isinstance(spec, MemorySpec):
+    local = spec.memory_front if spec.admit > 1 else spec
+    if local is None or not local.process_local:
         return None
-    return _MirrorIndex(workers * spec.capacity, spec.evict)
+    return _MirrorIndex(workers * local.capacity, local.evict)
 
 
 @dataclass
@@ -149,7 +148,7 @@ class _Scheduler:
     def _store(self):
         """The process's store for presence lookups, asked for at each use: a worker in this process
         may reopen it with its layout fingerprint (`shared_store`); None for a memory:// store."""
-        return None if isinstance(self._spec, MemorySpec) else shared_store(self._store_url)
+        return None if self._spec.process_local else shared_store(self._store_url)
 
     def _stored(self, keys: list[bytes]) -> list[bool]:
         return self._store.contains_many(keys)

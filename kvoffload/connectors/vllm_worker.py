@@ -81,7 +81,7 @@ class _Worker:
         # Group index -> group, for the groups whose pages this rank stores (one rank per set of replicas).
         self._written = {i: g for i, g in enumerate(layout.groups) if writes(layout, g)}
         self.jobs = Jobs(self.offloader, name=f"kvoffload-tp{self.tp_rank}")
-        front = getattr(store, "front", None)  # prefetch fills a memory tier in front of a slower one
+        front = store.memory_front  # prefetch fills a memory tier in front of a slower one
         budget = front.capacity // 4 if self._prefetch_budget is None and front is not None else self._prefetch_budget
         if budget and front is not None:
             self.prefetcher = Prefetcher(store, budget, name=f"kvoffload-prefetch-tp{self.tp_rank}")

@@ -121,6 +121,12 @@ class Store(ABC):
 
     # -- in-place access (the pinned arena implements these without a copy) ----------------------------
     in_place: bool = False  # True when write_many / acquire hand out the tier's own (pinned) memory
+    process_local: bool = False  # its entries live in this process's memory only (the memory tier)
+
+    @property
+    def memory_front(self) -> Store | None:
+        """The memory tier in front of a slower one, which prefetch fills (None: no such tier)."""
+        return None
 
     def write_many(self, items: Sequence[tuple[bytes, int]], fill: Fill) -> list[bool]:
         """Store values of the given sizes that `fill` writes straight into their destinations; True

@@ -67,6 +67,7 @@ class _Chunk:
 
 class MemoryStore(Store):
     in_place = True
+    process_local = True
 
     def __init__(self, capacity: int, pinned: bool | None = None, url: str | None = None, *,
                  chunk_bytes: int | None = None, reserve: bool | None = None, evict: str = "lru"):

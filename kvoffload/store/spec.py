@@ -45,6 +45,10 @@ class MemorySpec:
     """memory://?capacity=4GiB[&pinned=][&reserve=][&evict=]: one process's host memory."""
 
     scheme: ClassVar[str] = "memory"
+    # Capabilities the connectors ask for instead of a tier's type (each spec answers all three):
+    process_local: ClassVar[bool] = True  # lives in one process: nothing another process can see or share
+    admit: ClassVar[int] = 1  # uses before a page goes behind the memory tier (tiered:// admit=)
+    memory_front: ClassVar[None] = None  # the memory tier in front of a slower one, if any
     capacity: int
     pinned: bool | None = None
     reserve: bool | None = None
@@ -60,6 +64,9 @@ class LMDBSpec:
     """lmdb:///abs/dir?capacity=100GiB[&evict=]: a disk tier."""
 
     scheme: ClassVar[str] = "lmdb"
+    process_local: ClassVar[bool] = False
+    admit: ClassVar[int] = 1
+    memory_front: ClassVar[None] = None
     path: str
     capacity: int
     evict: str = "lru"
@@ -73,6 +80,9 @@ class LMDBSpec:
 class RedisSpec:
     """redis://[user:password@]host:port/db?namespace=&timeout=&capacity= (rediss:// TLS; +cluster: seeds)."""
 
+    process_local: ClassVar[bool] = False
+    admit: ClassVar[int] = 1
+    memory_front: ClassVar[None] = None
     scheme: str
     hosts: tuple[tuple[str, int], ...]
     db: int = 0
@@ -110,6 +120,7 @@ class TieredSpec:
     """tiered://?memory=&lmdb=&lmdb_capacity=&lmdb_evict=&redis=&write=&behind_bytes=&behind_age=&admit=&evict=."""
 
     scheme: ClassVar[str] = "tiered"
+    process_local: ClassVar[bool] = False  # its memory tier is per process, its slower tiers are shared
     memory: MemorySpec
     lmdb: LMDBSpec | None = None
     redis: RedisSpec | None = None
@@ -133,6 +144,10 @@ class TieredSpec:
         options.update({k: v for k, v in extra.items() if v is not None})
         url = f"tiered://?{_query(options)}"
         return redact_url(url) if redact else url
+
+    @property
+    def memory_front(self) -> MemorySpec:
+        return self.memory
 
     def behind_options(self) -> dict:
         """The write-behind keywords TieredStore takes, only those given."""

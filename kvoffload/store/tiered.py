@@ -90,6 +90,10 @@ class TieredStore(Store):
     def in_place(self) -> bool:  # type: ignore[override]
         return self.front.in_place
 
+    @property
+    def memory_front(self) -> Store | None:
+        return self.front if self.front.process_local else None
+
     def fits(self, nbytes: int) -> bool:
         return self.back.fits(nbytes)  # a value too large for the front goes straight to the back
 

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import os
 import tempfile
-from contextlib import nullcontext
-from dataclasses import replace
 import threading
 import time
+from contextlib import nullcontext
+from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,7 +28,7 @@ import torch
 from ..connectors.device_transfer import DeviceTransfer
 from ..connectors.plan import Page
 from ..spec import GroupKind
-from ..store import MemoryStore, open_store
+from ..store import MemoryStore, TieredStore, open_store
 from .common import machine
 from .transfer import _device_name, _median_gbps, _nbytes, _sync
 
@@ -76,14 +77,14 @@ def _raw(nbytes: int, device, repeats: int) -> dict:
     gpu = device.type == "cuda"
     src, back = (torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2))
     host_out, host_in = (torch.empty(nbytes, dtype=torch.uint8, pin_memory=gpu) for _ in range(2))
-    streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)] if gpu else None
+    streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)] if gpu else []
 
     def save():
-        with torch.cuda.stream(streams[0]) if gpu else nullcontext():
+        with torch.cuda.stream(streams[0]) if streams else nullcontext():
             host_out.copy_(src, non_blocking=gpu)
 
     def load():
-        with torch.cuda.stream(streams[1]) if gpu else nullcontext():
+        with torch.cuda.stream(streams[1]) if streams else nullcontext():
             back.copy_(host_in, non_blocking=gpu)
 
     rows = {"raw_memcpy_save_GBps": _median_gbps(save, nbytes, repeats, device),
@@ -120,9 +121,9 @@ def _memory_tier(cache, kinds, half: int, device, repeats: int) -> dict:
     assert all(saver.save(store, previous)), "the memory tier dropped pages of a fresh save"
     for _ in range(repeats):
         items = fresh()
-        saves.append(timed(lambda: _all(saver.save(store, items), "save")))
+        saves.append(timed(lambda items=items: _all(saver.save(store, items), "save")))
         into = _moved(items, half)
-        loads.append(timed(lambda: _all(loader.load(store, into), "load")))
+        loads.append(timed(lambda into=into: _all(loader.load(store, into), "load")))
         next_items = fresh()
         both.append(_both(saver, loader, store, next_items, _moved(items, half), device))
     _check_round_trip(cache, items, half)
@@ -186,6 +187,8 @@ def _tiered(cache, kinds, half: int, device, repeats: int, tmp: str) -> dict:
     url = (f"tiered://?memory={2 * nbytes + (256 << 20)}&lmdb={tmp}/store&lmdb_capacity={lmdb_capacity}"
            f"&behind_bytes={2 * nbytes}")
     store = open_store(url)
+    if not isinstance(store, TieredStore):
+        raise TypeError(f"bench datapath: {url} opened a {type(store).__name__}, not a tiered store")
     saver, loader = DeviceTransfer(cache.buffer), DeviceTransfer(cache.buffer)
     waits, drains, loads, raw_writes, raw_reads = [], [], [], [], []
     for rep in range(repeats):
@@ -209,7 +212,7 @@ def _tiered(cache, kinds, half: int, device, repeats: int, tmp: str) -> dict:
         store.close()
         raw_reads.append(_raw_read(tmp, nbytes))
     gbps = lambda xs: round(nbytes / float(np.median(xs)) / 1e9, 2)  # noqa: E731
-    rows = {"bytes": nbytes, "engine_wait_GBps": gbps(waits), "drain_GBps": gbps(drains),
+    rows: dict[str, Any] = {"bytes": nbytes, "engine_wait_GBps": gbps(waits), "drain_GBps": gbps(drains),
             "raw_write_fsync_GBps": gbps(raw_writes), "lmdb_only_load_GBps": gbps(loads),
             "raw_sequential_read_GBps": gbps(raw_reads), "behind_written": stats.get("behind_written"),
             "behind_dropped": stats.get("behind_dropped")}

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 from .common import machine
 
@@ -176,11 +177,13 @@ def kill_rounds(directory: str, rounds: int, seed: int = 0) -> dict:
     url = f"lmdb://{directory}/killed?capacity=1GiB"
     ack_path = os.path.join(directory, "acks")
     rng = random.Random(seed)
-    out = {"rounds": rounds, "acknowledged": 0, "checks": 0, "lost": 0, "wrong_bytes": 0, "unacknowledged_served": 0}
+    out: dict[str, Any] = {"rounds": rounds, "acknowledged": 0, "checks": 0, "lost": 0, "wrong_bytes": 0,
+                           "unacknowledged_served": 0}
     from ..store import open_store
 
     for rnd in range(rounds):
         child = _child(KILLED_WRITER, url, ack_path, str(rnd), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert child.stdout is not None  # stdout=PIPE
         child.stdout.readline()
         time.sleep(rng.uniform(0.0, 0.4))
         child.kill()
@@ -232,8 +235,8 @@ def corruption_trials(directory: str, trials: int, seed: int = 0) -> dict:
     with open_store(f"lmdb://{pristine}?capacity=4MiB") as store:
         assert all(store.put_many([(k, value_of(k)) for k in keys]))
     rng = random.Random(seed)
-    out = {"trials": trials, "kinds": {}, "reads": 0, "served": 0, "misses": 0, "wrong_bytes": 0, "resets": 0,
-           "crashed_or_failed": 0}
+    out: dict[str, Any] = {"trials": trials, "kinds": {}, "reads": 0, "served": 0, "misses": 0, "wrong_bytes": 0,
+                           "resets": 0, "crashed_or_failed": 0}
     for _ in range(trials):
         trial = os.path.join(directory, "trial")
         shutil.rmtree(trial, ignore_errors=True)
@@ -287,7 +290,8 @@ def concurrency(directory: str, seconds: float = 12.0, capacity: int = 48 << 20,
 
 
 def _watch(children, beats, stall_seconds: float, deadline: float) -> None:
-    last, progress_at = {}, time.monotonic()
+    last: dict[str, str] = {}
+    progress_at = time.monotonic()
     while any(c.poll() is None for c in children):
         now = time.monotonic()
         for path in beats:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
+from typing import Any
 from unittest import mock
 
 import torch
@@ -89,7 +90,7 @@ def run(quick: bool = False, progress=None, device: str = "cpu") -> dict:
     work = [[torch.randint(3, 512, (prompt_tokens,), generator=gen).tolist() for _ in range(batch_size)]
             for _ in range(batches * runs + 1)]  # the first one warms every engine up, untimed
     say = progress or (lambda message: None)
-    rows = [{name: [] for name in NAMES} for _ in range(runs)]
+    rows: list[dict[str, list[dict]]] = [{name: [] for name in NAMES} for _ in range(runs)]
     threads = {} if gpu else {"OMP_NUM_THREADS": ENGINE_THREADS}
     with tempfile.TemporaryDirectory(prefix="kvoffload-overhead-") as tmp, \
             mock.patch.dict(os.environ, threads):  # the engines inherit it
@@ -101,8 +102,10 @@ def run(quick: bool = False, progress=None, device: str = "cpu") -> dict:
             for i, batch in enumerate(work[1:]):
                 order = NAMES[i % len(NAMES):] + NAMES[:i % len(NAMES)]
                 for name in order:
-                    rows[i // batches][name].append(running[name].call("steps", prompts=batch, max_tokens=max_tokens))
-                say(f"[bench overhead] run {i // batches + 1}/{runs}, batch {i % batches + 1}/{batches} on every engine")
+                    steps = running[name].call("steps", prompts=batch, max_tokens=max_tokens)
+                    rows[i // batches][name].append(steps)
+                run_index, batch_index = divmod(i, batches)
+                say(f"[bench overhead] run {run_index + 1}/{runs}, batch {batch_index + 1}/{batches} on every engine")
     for run_rows in rows:
         for name, measured in run_rows.items():
             if any(r["cached_tokens"] for r in measured):
@@ -114,7 +117,7 @@ def run(quick: bool = False, progress=None, device: str = "cpu") -> dict:
             + ", ".join(f"{k} {v}%" for k, v in s["connector_hooks_percent_of_step"].items())
             + "; step time vs none (paired; wall / engine-thread CPU): " + ", ".join(
                 f"{k} {v}% / {s['overhead_cpu_percent'][k]}%" for k, v in s["overhead_percent"].items()))
-    extra = {}
+    extra: dict[str, Any] = {}
     if runs > 1:
         extra["runs"] = summaries
         extra["overhead_percent_per_run"] = {name: [s["overhead_percent"][name] for s in summaries]

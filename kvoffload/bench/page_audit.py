@@ -31,9 +31,17 @@ class PageAudit:
         """Attach to this process's KVOffloadConnector worker (vLLM's KV transfer group)."""
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        worker = get_kv_transfer_group().connector_worker
-        audit = cls(worker.offloader)
-        worker.offloader.observer = audit
+        from ..connectors.vllm import KVOffloadConnector
+
+        connector = get_kv_transfer_group()
+        if not isinstance(connector, KVOffloadConnector) or connector.connector_worker is None:
+            raise RuntimeError(f"page audit: this process's KV connector is not a KVOffloadConnector worker "
+                               f"({type(connector).__name__})")
+        offloader = connector.connector_worker.offloader
+        if offloader is None:
+            raise RuntimeError("page audit: the connector's worker has no KV caches registered yet")
+        audit = cls(offloader)
+        offloader.observer = audit
         return audit
 
     def saved(self, page, data) -> None:

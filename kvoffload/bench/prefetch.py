@@ -53,7 +53,7 @@ def run(quick: bool = False, progress=None) -> dict:
     prompts = [torch.randint(3, 512, (prefix_tokens + BLOCK // 2,), generator=gen).tolist() for _ in range(rounds)]
     firsts = [[torch.randint(3, 512, (48,), generator=gen).tolist() for _ in range(rounds)] for _ in NAMES]
     max_len = prefix_tokens + BLOCK + 64
-    rows = {name: [] for name in NAMES}
+    rows: dict[str, list[dict]] = {name: [] for name in NAMES}
     with tempfile.TemporaryDirectory(prefix="kvoffload-prefetch-") as tmp:
         model = tiny_llama(f"{tmp}/model", **MODEL)
         say(f"[bench prefetch] writing {rounds} prefixes of {prefix_tokens} tokens to LMDB")
@@ -62,7 +62,8 @@ def run(quick: bool = False, progress=None) -> dict:
         stores = {name: f"{tmp}/{name}" for name in NAMES[1:]}
         for directory in stores.values():
             shutil.copytree(f"{tmp}/written", directory)
-        prefix_bytes = prefix_tokens * 2 * MODEL["num_hidden_layers"] * MODEL["num_key_value_heads"] * MODEL["head_dim"] * 4
+        token_bytes = 2 * MODEL["num_hidden_layers"] * MODEL["num_key_value_heads"] * MODEL["head_dim"] * 4
+        prefix_bytes = prefix_tokens * token_bytes
         configs = {"none": None, "tiered_no_prefetch": _connector(_tiered(stores["tiered_no_prefetch"]),
                                                                   prefetch_bytes="0"),
                    "tiered_prefetch": _connector(_tiered(stores["tiered_prefetch"]))}
@@ -70,13 +71,15 @@ def run(quick: bool = False, progress=None) -> dict:
             engines = {}
             for name in NAMES:
                 say(f"[bench prefetch] starting the {name} engine")
-                engines[name] = stack.enter_context(Engine(model, configs[name], block_size=BLOCK, max_model_len=max_len,
-                                                           in_process=True, engine_kwargs={"max_num_seqs": 1}))
+                engines[name] = stack.enter_context(
+                    Engine(model, configs[name], block_size=BLOCK, max_model_len=max_len, in_process=True,
+                           engine_kwargs={"max_num_seqs": 1}))
             for i, prompt in enumerate(prompts):
                 for k in range(len(NAMES)):
                     n = (i + k) % len(NAMES)
                     name = NAMES[n]
-                    store = {"store": configs[name]["kv_connector_extra_config"]["store"]} if configs[name] else {}
+                    config = configs[name]
+                    store = {"store": config["kv_connector_extra_config"]["store"]} if config else {}
                     if name in stores:
                         _drop_file_cache(f"{stores[name]}/data.mdb")
                     rows[name].append(engines[name].call("queued", first=firsts[n][i], first_max_tokens=first_tokens,
@@ -99,8 +102,8 @@ def run(quick: bool = False, progress=None) -> dict:
                                                                   for r in measured) * 1e3, 1),
                          "cached_tokens": statistics.median(cached), **counters}
     ratio = results["tiered_prefetch"]["after_slot_ms"] / results["tiered_no_prefetch"]["after_slot_ms"]
-    say("[bench prefetch] after the slot freed: " + ", ".join(f"{k} {v['after_slot_ms']} ms" for k, v in results.items())
-        + f"; prefetch / no prefetch = {ratio:.2f}")
+    after = ", ".join(f"{k} {v['after_slot_ms']} ms" for k, v in results.items())
+    say(f"[bench prefetch] after the slot freed: {after}; prefetch / no prefetch = {ratio:.2f}")
     return {"benchmark": "prefetch", "quick": quick, "machine": machine(),
             "workload": {"rounds": rounds, "prefix_tokens": prefix_tokens, "first_max_tokens": first_tokens,
                          "block_size": BLOCK, "model": MODEL, "prefix_bytes_on_disk": prefix_bytes},

@@ -38,6 +38,7 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
+from typing import Any
 from unittest import mock
 
 import torch
@@ -50,7 +51,7 @@ NAMES = ["none", "kvoffload_lmdb", "kvoffload_tiered"]
 TARGET_P99_RATIO = 1.1
 
 
-def _pct(values: list[float], q: float) -> float:
+def _pct(values: list[float], q: int) -> float:
     ordered = sorted(values)
     if len(ordered) == 1:
         return ordered[0]
@@ -67,7 +68,7 @@ RUNS_ON_GPU = 3  # the rounds split into this many runs, each judged on its own 
 
 def _results(rows: dict, decoders: int, long_prefix: int) -> dict:
     """Per engine and scenario, the decode-only steps of the given rounds (see the module docstring)."""
-    results = {}
+    results: dict[str, dict[str, dict]] = {}
     for name in NAMES:
         results[name] = {}
         for scenario, measured in rows[name].items():
@@ -116,11 +117,12 @@ def run(quick: bool = False, progress=None, device: str = "cpu") -> dict:
         return torch.randint(3, 512, (n,), generator=gen).tolist()
 
     say = progress or (lambda message: None)
-    rows = {name: {"save": [], "load": []} for name in NAMES}
+    rows: dict[str, dict[str, list]] = {name: {"save": [], "load": []} for name in NAMES}
     threads = {} if gpu else {"OMP_NUM_THREADS": ENGINE_THREADS}
     stored = rounds * long_tokens * where.kv_bytes_per_token
     capacity = f"{max(2, -(-stored * 5 // 4) >> 30)}GiB"
-    kv_bytes = max(4 << 30, (long_tokens + decoders * (max_model_len + block)) * where.kv_bytes_per_token) if gpu else None
+    kv_tokens = long_tokens + decoders * (max_model_len + block)
+    kv_bytes = max(4 << 30, kv_tokens * where.kv_bytes_per_token) if gpu else None
     with tempfile.TemporaryDirectory(prefix="kvoffload-stall-") as tmp, \
             mock.patch.dict(os.environ, threads), \
             engines(NAMES, tmp, max_model_len, lambda m: say(f"[bench stall] {m}"), in_process=True, where=where,
@@ -146,7 +148,7 @@ def run(quick: bool = False, progress=None, device: str = "cpu") -> dict:
         for scenario, row in results[name].items():
             say(f"[bench stall] {name} {scenario}: decode-only p50 {row['decode_only']['p50_ms']} ms "
                 f"({row['p50_ratio']}x), p99 {row['decode_only']['p99_ms']} ms ({row['p99_ratio']}x)")
-    extra = {}
+    extra: dict[str, Any] = {}
     if runs > 1:
         per = rounds // runs
         split = [_results({n: {sc: m[i * per:(i + 1) * per] for sc, m in rows[n].items()} for n in NAMES},

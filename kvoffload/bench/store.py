@@ -4,14 +4,16 @@ the same bytes on the same disk (LMDB). LMDB reads start from a dropped page cac
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
 import time
+from typing import Any
 
 import numpy as np
 
-from ..store import open_store
+from ..store import Store, open_store
 from .common import drop_page_cache, machine, median_seconds
 
 FULL_SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -22,13 +24,22 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0
 
 
+def _copy_all(outs: list[np.ndarray], values: list[np.ndarray]) -> None:
+    for out, value in zip(outs, values):
+        np.copyto(out, value)
+
+
+def _put_all(store: Store, keys: list[bytes], values: list[np.ndarray]) -> list[bool]:
+    return store.put_many(list(zip(keys, values)))
+
+
 def _raw_file(directory: str, values: list[np.ndarray]) -> tuple[float, float, str]:
     """Seconds to write (one file per value, fsynced) and read back the same bytes."""
     paths = [os.path.join(directory, f"raw{i}") for i in range(len(values))]
     start = time.perf_counter()
     for path, value in zip(paths, values):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.write(fd, memoryview(value))
+        os.write(fd, value.data)
         os.fsync(fd)
         os.close(fd)
     write = time.perf_counter() - start
@@ -37,7 +48,7 @@ def _raw_file(directory: str, values: list[np.ndarray]) -> tuple[float, float, s
     start = time.perf_counter()
     for path in paths:
         with open(path, "rb", buffering=0) as f:
-            f.readinto(memoryview(out))
+            f.readinto(out.data)
     read = time.perf_counter() - start
     for path in paths:
         os.unlink(path)
@@ -58,10 +69,10 @@ def run(quick: bool = False, directory: str | None = None, progress=None) -> dic
             outs = [np.empty_like(v) for v in values]
             keys = [b"k%d" % i for i in range(count)]
             nbytes = size * count
-            memcpy = median_seconds(lambda: [np.copyto(o, v) for o, v in zip(outs, values)], repeats)
+            memcpy = median_seconds(functools.partial(_copy_all, outs, values), repeats)
             with open_store(f"memory://?capacity={2 * nbytes + (64 << 20)}&pinned=false") as mem:
-                mem_put = median_seconds(lambda: mem.put_many(list(zip(keys, values))), repeats)
-                mem_get = median_seconds(lambda: mem.get_many(keys, outs), repeats)
+                mem_put = median_seconds(functools.partial(_put_all, mem, keys, values), repeats)
+                mem_get = median_seconds(functools.partial(mem.get_many, keys, outs), repeats)
             raw_write, raw_read, cache = _raw_file(work, values)
             path = os.path.join(work, f"lmdb-{size}")
             with open_store(f"lmdb://{path}?capacity={4 * nbytes + (256 << 20)}") as disk:
@@ -77,7 +88,7 @@ def run(quick: bool = False, directory: str | None = None, progress=None) -> dic
                 lmdb_get = time.perf_counter() - start
                 assert all(s == size for s in sizes_read) and np.array_equal(outs[-1], values[-1])
             shutil.rmtree(path)
-            row = {
+            row: dict[str, Any] = {
                 "value_bytes": size, "values": count, "bytes": nbytes,
                 "memcpy_GBps": _gbps(nbytes, memcpy),
                 "memory_put_GBps": _gbps(nbytes, mem_put), "memory_get_GBps": _gbps(nbytes, mem_get),

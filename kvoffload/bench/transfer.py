@@ -5,8 +5,8 @@ Two workloads: `all_groups` is every cacheable page of each block (a prefill's s
 checkpoint per block: bytes dominated by the 4 MiB KDA states), `mla_pages` the MLA latent + indexer
 pages only (the bulk of a warm prefix: thousands of small spans, where one copy per span is slow). Each
 is saved from one half of the cache (device -> host) and loaded into the other (host -> device), alone
-and both at once (each on its own stream, driven from one thread). Rows: the staged transfer (gather kernel + one copy per
-staging batch), the naive one-copy-per-span path, the raw memcpy of the same byte count. End-to-end rows
+and both at once (each on its own stream, driven from one thread). Rows: the staged transfer (gather kernel + one copy
+per staging batch), the naive one-copy-per-span path, the raw memcpy of the same byte count. End-to-end rows
 add the memory store (its host-side copy) for context. Without a GPU the same code runs on a host
 buffer (`device: cpu`), which checks the benchmark, not the link."""
 
@@ -31,9 +31,13 @@ def _sync(device: torch.device) -> None:
 
 
 def _median_gbps(fn, nbytes: int, repeats: int, device: torch.device) -> float:
+    def synced():
+        fn()
+        _sync(device)
+
     fn()  # warm-up: staging allocation, kernel compilation
     _sync(device)
-    return round(nbytes / median_seconds(lambda: (fn(), _sync(device)), repeats) / 1e9, 2)
+    return round(nbytes / median_seconds(synced, repeats) / 1e9, 2)
 
 
 def _pages(layout, blocks: range, kinds) -> list:
@@ -106,7 +110,7 @@ def _workload(cache, save_items, load_items, device, repeats) -> dict:
 
     def load_batches():
         for i, batch in enumerate(loader.batches(load_items)):
-            loader.unpack(batch, lambda host, offsets, n=len(batch): [True] * n, index=i % 2)
+            loader.unpack(batch, lambda host, offsets: [True] * len(offsets), index=i % 2)
             yield
 
     def staged_load():
@@ -143,11 +147,15 @@ def _workload(cache, save_items, load_items, device, repeats) -> dict:
     store = open_store(f"memory://?capacity={nbytes + (64 << 20)}")
     saver.save(store, save_items)
     moved = [replace(saved, block=into.block) for saved, into in zip(save_items, load_items)]
+
+    def store_load():
+        loader.load(store, moved)
+        _sync(device)
+
     end_to_end = {
         "memory_store_save_GBps": _median_gbps(lambda: saver.save(store, save_items), nbytes, max(1, repeats // 2),
                                                device),
-        "memory_store_load_GBps": _median_gbps(lambda: (loader.load(store, moved), _sync(device)), nbytes,
-                                               max(1, repeats // 2), device),
+        "memory_store_load_GBps": _median_gbps(store_load, nbytes, max(1, repeats // 2), device),
     }
     store.close()
     ratio = lambda a, b: round(rows[a] / rows[b], 3)  # noqa: E731

@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import IO, Any
 
 
 class EngineRunError(RuntimeError):
@@ -103,6 +104,9 @@ class Engine:
                                       str(self._reply_w)], stdin=subprocess.PIPE, stdout=self.log,
                                      stderr=subprocess.STDOUT, env=env, pass_fds=(self._reply_w,), text=True,
                                      start_new_session=True)
+        assert self.proc.stdin is not None  # stdin=PIPE
+        self.stdin: IO[str] = self.proc.stdin
+        self._closed_log = ""  # the log, once `close` removed its file
         os.close(self._reply_w)
         self.replies = os.fdopen(replies)
         self.startup_s = None
@@ -133,8 +137,8 @@ class Engine:
         return json.loads(line)
 
     def call(self, op: str, **args) -> dict:
-        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
-        self.proc.stdin.flush()
+        self.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.stdin.flush()
         return self._reply()
 
     def log_text(self) -> str:
@@ -148,7 +152,7 @@ class Engine:
         if self.replies.closed:
             return self._closed_log
         with contextlib.suppress(BrokenPipeError):
-            self.proc.stdin.close()
+            self.stdin.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(60)
         stop_group(self.proc, grace=5.0)
@@ -287,7 +291,10 @@ def _queued(llm, command: dict) -> dict:
     engine.add_request(f"{tag}-first", {"prompt_token_ids": command["first"]}, params(command["first_max_tokens"]))
     while not any(o.outputs and o.outputs[0].token_ids for o in engine.step()):
         pass
-    stats = (lambda: shared_store(command["store"]).stats()) if command.get("store") else dict
+
+    def stats() -> dict[str, Any]:
+        return shared_store(command["store"]).stats() if command.get("store") else {}
+
     before = stats()
     added = time.perf_counter()
     engine.add_request(f"{tag}-queued", {"prompt_token_ids": command["prompt"]}, params(command["max_tokens"]))
@@ -350,7 +357,7 @@ def _record_prefill_stats() -> dict[str, dict]:
             prefill.setdefault(key, dataclasses.asdict(stats))
         return orig(self, engine_core_outputs, *args, **kwargs)
 
-    op.OutputProcessor.process_outputs = process_outputs
+    op.OutputProcessor.process_outputs = process_outputs  # type: ignore[method-assign]  # the patch is the point
     return prefill
 
 
@@ -366,7 +373,7 @@ def _counters(llm) -> dict[str, float]:
             continue
         key = m.name.removeprefix("vllm:")
         if "source" in m.labels:
-            key += "{source=%s}" % m.labels["source"]
+            key += f"{{source={m.labels['source']}}}"
         snap[key] = snap.get(key, 0.0) + float(m.value)
     return snap
 
@@ -432,6 +439,7 @@ def _child(spec_json: str, reply_fd: str) -> None:
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
 
     prefill = _record_prefill_stats()
     kwargs = dict(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], enforce_eager=True,
@@ -455,7 +463,7 @@ def _child(spec_json: str, reply_fd: str) -> None:
         steps[0] += 1
         return step(*args, **kw)
 
-    engine.step = counted_step
+    engine.step = counted_step  # type: ignore[method-assign]  # counts the engine's steps
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     audit = None
     if spec.get("audit"):  # in-process engines only: the connector's worker lives in this process
@@ -463,7 +471,7 @@ def _child(spec_json: str, reply_fd: str) -> None:
 
         audit = PageAudit.install()
     if spec["warmup"]:
-        llm.generate([{"prompt_token_ids": [3, 4, 5, 6, 7]}], one, use_tqdm=False)
+        llm.generate([TokensPrompt(prompt_token_ids=[3, 4, 5, 6, 7])], one, use_tqdm=False)
         llm.reset_prefix_cache()
     reply({"startup_s": time.perf_counter() - started})
     for line in sys.stdin:
@@ -476,7 +484,7 @@ def _child(spec_json: str, reply_fd: str) -> None:
             rows = []
             for prompt in command["prompts"]:
                 t0 = time.perf_counter()
-                (out,) = llm.generate([{"prompt_token_ids": prompt}], one, use_tqdm=False)
+                (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], one, use_tqdm=False)
                 rows.append({"seconds": time.perf_counter() - t0, "prompt_tokens": len(prompt),
                              "cached_tokens": out.num_cached_tokens, "token": out.outputs[0].token_ids[0]})
             reply({"rows": rows})
@@ -485,7 +493,8 @@ def _child(spec_json: str, reply_fd: str) -> None:
                                     detokenize=False)
             steps[0], hooks_before = 0, hook_seconds[0]
             t0, thread0, process0 = time.perf_counter(), time.thread_time(), time.process_time()
-            outs = llm.generate([{"prompt_token_ids": p} for p in command["prompts"]], params, use_tqdm=False)
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in command["prompts"]], params,
+                                use_tqdm=False)
             reply({"seconds": time.perf_counter() - t0, "steps": steps[0],
                    "connector_seconds": hook_seconds[0] - hooks_before,
                    "thread_cpu_seconds": time.thread_time() - thread0,

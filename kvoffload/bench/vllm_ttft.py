@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import tempfile
+from typing import Any
 
 import torch
 
@@ -89,7 +90,7 @@ def run(quick: bool = False, prompts_per_length: int | None = None, progress=Non
     say = progress or (lambda message: None)
     peer = "vllm_offloading" if gpu else "example_connector"
     names = ["none", "kvoffload_memory", "kvoffload_lmdb", *(["kvoffload_tiered"] if gpu else []), peer]
-    measured = {name: {"cold": [], "warm": []} for name in names}
+    measured: dict[str, dict[str, list[dict]]] = {name: {"cold": [], "warm": []} for name in names}
     measured["none"]["local"] = []
     stored = sum(len(p) for p in prompts) * where.kv_bytes_per_token
     capacity = f"{max(2, -(-stored * 5 // 4) >> 30)}GiB"  # every prefix fits, with room
@@ -123,7 +124,7 @@ def run(quick: bool = False, prompts_per_length: int | None = None, progress=Non
                 startup["page_cache"] = dropped
     rows = []
     for n in lengths:
-        row = {"prefix_tokens": n, "prompt_tokens": n + block // 2}
+        row: dict[str, Any] = {"prefix_tokens": n, "prompt_tokens": n + block // 2}
         # A warm run computes the suffix over restored KV, as vLLM's own prefix cache does: in bf16 its first
         # token is compared with that run's (a full prefill sums in another order and may break a near-tie).
         same_length = [r for r in measured["none"]["local" if gpu else "cold"] if r["prompt_tokens"] == n + block // 2]

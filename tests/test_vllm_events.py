@@ -30,7 +30,8 @@ def _engine(tmp_path, events: bool, memory: str | None = None, capacity: str = "
     from kvoffload.store import shared_store
 
     url = memory or f"lmdb://{tmp_path}/store?capacity={capacity}"
-    vc, worker_cfg = _glm_vllm_config(BLOCK, url)
+    # every boundary's checkpoint saved (not the default retention): the events of each held block are checked
+    vc, worker_cfg = _glm_vllm_config(BLOCK, url, state_retention="every")
     if events:
         vc.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     engine = _Engine(vc, worker_cfg)

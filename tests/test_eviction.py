@@ -177,7 +177,7 @@ def test_the_vllm_scheduler_mirror_evicts_as_the_worker_memory_tier_does(evict):
     pytest.importorskip("vllm")
     from kvoffload.connectors.vllm_scheduler import _mirror_for
     from kvoffload.store import parse_store_url
-    from kvoffload.connectors.vllm_shared import StoredPages
+    from kvoffload.connectors.vllm_messages import StoredPages
 
     url = f"memory://?capacity=64KiB&pinned=false&evict={evict}"
     store, mirror = open_store(url), _mirror_for(parse_store_url(url), 1)

@@ -22,7 +22,7 @@ from conftest import subprocess_env
 from kvoffload import open_store
 from kvoffload.store import StoreConfigError, parse_store_url
 from kvoffload.store.lmdb_store import entry_charge, read_stats
-from kvoffload.store.spec import LMDBSpec, MemorySpec, TieredSpec
+from kvoffload.store.url_config import LMDBSpec, MemorySpec, TieredSpec
 
 MAIN = 1 << 63
 SIZE = 20_000  # an entry of 24 KiB charged: about 40 fit in 1 MiB

@@ -72,7 +72,7 @@ def test_vllm_glm_stack_stores_replicated_groups_once_per_tp_group(tmp_path, tp)
     pytest.importorskip("vllm")
     import vllm_layouts
 
-    from kvoffload.connectors.vllm_shared import KVOffloadMetadata, LoadJob, SaveJob
+    from kvoffload.connectors.vllm_messages import KVOffloadMetadata, LoadJob, SaveJob
     from kvoffload.connectors.vllm_worker import _Worker
     from kvoffload.spec.vllm import check_agreement, from_vllm, scheduler_view
     from kvoffload.store import shared_store

@@ -11,7 +11,7 @@ pytest.importorskip("vllm")
 
 import vllm_layouts  # noqa: E402
 
-from kvoffload.connectors.vllm_shared import KVOffloadMetadata, SaveJob  # noqa: E402
+from kvoffload.connectors.vllm_messages import KVOffloadMetadata, SaveJob  # noqa: E402
 from kvoffload.connectors.vllm_worker import _Worker  # noqa: E402
 from kvoffload.spec import GroupKind, KeyChain  # noqa: E402
 from kvoffload.spec.vllm import scheduler_view  # noqa: E402

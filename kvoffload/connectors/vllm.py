@@ -8,7 +8,7 @@
 The shape of vLLM's own OffloadingConnector: this facade validates the config, builds the key chain and
 the scheduler's view of the cache (`kvoffload.spec.vllm.scheduler_view`), then delegates every API
 method to `connector_scheduler` (`vllm_scheduler._Scheduler`) or `connector_worker`
-(`vllm_worker._Worker`), whichever its role has; what they exchange is in `vllm_shared`.
+(`vllm_worker._Worker`), whichever its role has; what they exchange is in `vllm_messages`.
 
 Scheduler side: finds the longest prefix the store holds for every cacheable group (`plan`), tells vLLM
 how many tokens the connector will provide, and turns each step into load and save jobs: PAGED pages of
@@ -67,7 +67,7 @@ from .vllm_config import EXTRA_CONFIG_KEYS, ConnectorConfig
 from .vllm_identity import vllm_model_identity
 from .vllm_metrics import KVOffloadPromMetrics, KVOffloadStats
 from .vllm_scheduler import _Scheduler
-from .vllm_shared import KVOffloadMetadata, LoadJob, SaveJob, StoredPages
+from .vllm_messages import KVOffloadMetadata, LoadJob, SaveJob, StoredPages
 from .vllm_worker import _Worker
 
 if TYPE_CHECKING:

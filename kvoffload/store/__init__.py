@@ -22,7 +22,7 @@ from .inspect import inspect_store
 from .lmdb_store import LMDBStore
 from .memory import MemoryStore
 from .opening import open_spec, open_store, shared_store
-from .spec import LMDBSpec, MemorySpec, RedisSpec, StoreSpec, TieredSpec, parse_store_url
+from .url_config import LMDBSpec, MemorySpec, RedisSpec, StoreSpec, TieredSpec, parse_store_url
 from .tiered import TieredStore
 from .url import parse_size
 

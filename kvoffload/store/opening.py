@@ -12,7 +12,7 @@ from .base import Store
 from .errors import StoreConfigError
 from .lmdb_store import LMDBStore
 from .memory import MemoryStore
-from .spec import LMDBSpec, MemorySpec, RedisSpec, StoreSpec, TieredSpec, parse_store_url
+from .url_config import LMDBSpec, MemorySpec, RedisSpec, StoreSpec, TieredSpec, parse_store_url
 from .tiered import TieredStore
 from .url import redact_url
 

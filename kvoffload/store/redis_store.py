@@ -32,7 +32,7 @@ from . import entry
 from .base import Store
 from .buffers import Buffer
 from .errors import StoreConfigError
-from .spec import RedisSpec, parse_store_url
+from .url_config import RedisSpec, parse_store_url
 from .url import parse_size, redact_url
 
 log = logging.getLogger(__name__)

@@ -1,18 +1,7 @@
-"""WHERE bytes live: `open_store(url)` returns a `Store` for one of these tiers.
-
-    memory://?capacity=4GiB[&pinned=auto|true|false][&reserve=auto|true|false][&evict=lru|s3fifo]
-        reserve: allocate the whole capacity at open (auto: when pinned; no save then waits for page-locking)
-        evict: which entry a full tier evicts (eviction.py): lru (default), or s3fifo (scan-resistant)
-    lmdb:///abs/dir?capacity=100GiB[&evict=lru|s3fifo]
-        evict: as memory's, kept in the file: a store with entries keeps the policy it was written with
-    redis://[user:password@]host:port/db?namespace=...   (rediss:// TLS; redis+cluster://h:p,h:p/ a cluster)
-    tiered://?memory=4GiB&lmdb=/abs/dir&lmdb_capacity=100GiB[&redis=<redis URL, %-encoded if it has a query>]
-             [&write=behind|through][&behind_bytes=2GiB][&behind_age=30][&evict=lru|s3fifo][&lmdb_evict=lru|s3fifo]
-        evict: the memory tier's policy; lmdb_evict: LMDB's
-        write=behind (default): a put returns once in memory; a background thread writes the disk behind it
-        (at most behind_bytes waiting, default min(memory/2, 2GiB); an entry waiting longer than behind_age
-        seconds, default 30, is dropped: kept in memory only). write=through: a put returns once on disk.
-"""
+"""WHERE bytes live: `open_store(url)` returns a `Store` for one of these tiers: `memory://` (one
+process's host memory), `lmdb:///abs/dir` (local disk), `redis://` (rediss://, redis+cluster://: shared
+by many hosts) and `tiered://` (memory in front of LMDB and/or Redis, writing behind or through).
+Every scheme's options, defaults and rules: the docstring of `url_config.py`, next to the parser."""
 
 from __future__ import annotations
 

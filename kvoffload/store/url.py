@@ -1,5 +1,6 @@
-"""Parsing of store URLs (`memory://?capacity=4GiB`, `lmdb:///abs/dir?capacity=100GiB`, `tiered://...`)
-and of human byte sizes. Unknown options are an error, not silently ignored."""
+"""The scheme-independent half of store URL parsing: splitting a URL into scheme, path and options
+(unknown options are an error, not silently ignored), human byte sizes, booleans, and redacting
+passwords. Each scheme's options, and the grammar, are in `url_config.py`."""
 
 from __future__ import annotations
 

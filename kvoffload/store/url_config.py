@@ -1,7 +1,52 @@
-"""A store URL parsed and validated once into a typed spec, through one registry: scheme -> parser ->
-spec -> opener. Everything that needs a store option (the stores, the vLLM scheduler's mirror of a
-memory tier, `verify`) reads the spec, never the URL again. `spec.url()` is the canonical URL, its
-passwords replaced by *** (for logs and errors); `spec.url(redact=False)` parses back to an equal spec."""
+"""Store URLs: the grammar, written once here, next to its parser. A URL is parsed and validated once
+into a typed spec, through one registry: scheme -> parser -> spec -> opener (`opening.py`). Everything
+that needs a store option (the stores, the vLLM scheduler's mirror of a memory tier, `verify`) reads the
+spec, never the URL again. `spec.url()` is the canonical URL, its passwords replaced by *** (for logs and
+errors); `spec.url(redact=False)` parses back to an equal spec.
+
+    memory://?capacity=4GiB&pinned=auto&reserve=auto&evict=lru           one process's host memory
+        capacity   the arena's hard byte cap (default 4GiB)
+        pinned     auto | true | false: page-locked (default auto: when CUDA or ROCm is present; true
+                   without one is an error at open)
+        reserve    auto | true | false: allocate the whole capacity at open (default auto: when pinned,
+                   so no save waits for page-locking)
+        evict      lru | s3fifo: which entry a full tier evicts (eviction.py; default lru)
+
+    lmdb:///abs/dir?capacity=16GiB&evict=lru                             LMDB on local disk
+        the path   an absolute directory (created 0700 if missing)
+        capacity   the hard cap on disk space (default 16GiB; the file is allocated at open, x1.3125)
+        evict      lru | s3fifo (default lru); kept in the file: a store with entries keeps its own
+
+    redis://[user[:password]@]host[:port]/db?namespace=default&timeout=2&capacity=
+    rediss://...   TLS: adds ssl_ca_certs=, ssl_certfile=, ssl_keyfile=, ssl_cert_reqs=required|optional|none
+    redis+cluster://[user[:password]@]host:port,host:port/?...  (rediss+cluster:// with TLS): seed nodes
+        host:port  port 6379 if left out; one host unless +cluster; a cluster takes no database number
+        db         the database number (default 0)
+        namespace  keys are kvoffload:<namespace>:<page key> (default "default")
+        timeout    seconds any call may wait, a positive number (default 2)
+        capacity   the tier's declared size (default: the servers' maxmemory)
+        ssl_*      passed to redis-py, only with rediss:// (ssl_cert_reqs default required)
+
+    tiered://?memory=4GiB&lmdb=/abs/dir&lmdb_capacity=16GiB&redis=<redis URL>&write=behind ...
+        one memory tier in front of LMDB, of Redis, or of LMDB in front of Redis; lmdb= and/or redis=
+        memory         the memory tier's capacity (default 4GiB)
+        pinned, reserve, evict   the memory tier's, as memory://'s
+        lmdb           the LMDB tier's absolute directory
+        lmdb_capacity  its capacity (default 16GiB)
+        lmdb_evict     its eviction policy, lru | s3fifo (default lru; needs lmdb=)
+        redis          a redis://, rediss:// or redis+cluster:// URL, %-encoded if it has a query
+        write          behind | through (default behind: a put returns once in memory and a background
+                       thread writes the next tier; through: once in the next tier)
+        behind_bytes   at most this many bytes wait to be written behind (default min(memory/2, 2GiB));
+                       write=behind only
+        behind_age     seconds a value may wait before it is dropped, kept in memory only (default 30);
+                       write=behind only
+        admit          1..1000: a value goes to the next tier only on its N-th use (default 1; above 1
+                       needs write=behind)
+
+Common rules: sizes are bytes or a number with a unit (512MiB, 4GiB, 100GB, 1.5G; k/M/G/T are powers of
+1000, KiB/MiB/GiB/TiB of 1024); booleans are true/false (1/0, yes/no, on/off); an unknown option, an
+option given twice or a `#` (write %23) is an error; a StoreConfigError says what to change."""
 
 from __future__ import annotations
 

@@ -7,7 +7,10 @@ keys already stored), against baselines measured in the same run on the same byt
   and every timed save evicts; `first_fill` reports the cold arena separately;
 - tiered memory + LMDB (write-behind): what the save keeps the engine waiting (the memory-tier save),
   the background drain to LMDB against a raw write + fsync of the same bytes to the same file system,
-  and a load of a prefix that is only on LMDB (page cache dropped) against a raw sequential read.
+  and a load of a prefix that is only on LMDB (page cache dropped) against a raw sequential read;
+- `lmdb://` with its data in the page cache -> device, on one reader and on `READERS` reader threads,
+  against a raw read of as many bytes of the same file by as many threads into pinned memory: the
+  software ceiling of the disk tier, independent of this machine's disk.
 
 Two workloads, as `bench transfer`: every cacheable page of each block, and MLA latent + indexer pages
 only. Without a GPU the same code runs on a host buffer (it checks the benchmark, not the link)."""
@@ -67,6 +70,9 @@ def run(quick: bool = False, preset: str = "pruned-4l", block_size: int = 64, bl
         results["all_groups"]["tiered_lmdb"] = _tiered(cache, workloads["all_groups"][0], blocks // 2, device,
                                                        max(2, repeats // 2), tmp)
         progress(f"[bench datapath] tiered+lmdb: {results['all_groups']['tiered_lmdb']['ratios']}")
+        results["all_groups"]["lmdb_page_cache"] = _lmdb_resident(cache, workloads["all_groups"][0], blocks // 2,
+                                                                  device, repeats, tmp)
+        progress(f"[bench datapath] lmdb in the page cache: {results['all_groups']['lmdb_page_cache']}")
     return {"benchmark": "datapath", "quick": quick, "machine": {**machine(), "device": _device_name(device)},
             "geometry": {"preset": preset, "block_size": block_size, "blocks_per_workload":
                          {name: half for name, (_, half) in workloads.items()}, "repeats": repeats},
@@ -228,6 +234,60 @@ def timed_load(loader, store, items, device) -> float:
     _all(loader.load(store, items), "load")
     _sync(device)
     return time.perf_counter() - start
+
+
+def _lmdb_resident(cache, kinds, half: int, device, repeats: int, tmp: str) -> dict:
+    """Load a prefix from `lmdb://` whose data file is in the page cache (just written), with one reader
+    and with READERS threads, against a threaded raw read of the file into pinned memory."""
+    from ..store.lmdb_store import READERS, LMDBStore
+
+    items = _pages(cache.layout, range(half), kinds, "resident")
+    nbytes = _nbytes(items)
+    path = os.path.join(tmp, "resident")
+    capacity = 2 * nbytes + (256 << 20)
+    with LMDBStore(path, capacity) as store:
+        _all(DeviceTransfer(cache.buffer).save(store, items), "save")
+    into = _moved(items, half)
+    loader = DeviceTransfer(cache.buffer)
+    rows: dict[str, Any] = {"bytes": nbytes, "readers": READERS}
+    for readers in sorted({1, READERS}):
+        with LMDBStore(path, capacity, readers=readers) as store:
+            timed_load(loader, store, into, device)  # the map's pages faulted in once, as in a running engine
+            rows[f"load_GBps_{readers}_readers"] = round(
+                nbytes / float(np.median([timed_load(loader, store, into, device) for _ in range(repeats)])) / 1e9, 2)
+    _check_round_trip(cache, items, half)
+    rows["raw_threaded_read_GBps"] = round(nbytes / _raw_threaded_read(os.path.join(path, "data.mdb"), nbytes,
+                                                                       READERS, repeats) / 1e9, 2)
+    rows["ratios"] = {"load_vs_threaded_read": round(rows[f"load_GBps_{READERS}_readers"]
+                                                     / rows["raw_threaded_read_GBps"], 3)}
+    return rows
+
+
+def _raw_threaded_read(path: str, nbytes: int, threads: int, repeats: int) -> float:
+    """Median seconds for `threads` threads to pread `nbytes` of `path` (in the page cache) into pinned memory."""
+    size = min(nbytes, os.path.getsize(path))
+    target = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available()).numpy()
+    bounds = np.linspace(0, size, threads + 1).astype(np.int64)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        def part(k: int) -> None:
+            at, end = int(bounds[k]), int(bounds[k + 1])
+            while at < end:
+                at += os.preadv(fd, [memoryview(target[at:min(end, at + (64 << 20))])], at)
+
+        def once() -> float:
+            workers = [threading.Thread(target=part, args=(k,)) for k in range(threads)]
+            start = time.perf_counter()
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            return time.perf_counter() - start
+
+        once()
+        return float(np.median([once() for _ in range(repeats)])) * nbytes / size
+    finally:
+        os.close(fd)
 
 
 def _raw_write(tmp: str, nbytes: int, chunk: int = 64 << 20) -> float:

@@ -53,6 +53,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import lmdb
 
@@ -74,14 +75,22 @@ log = logging.getLogger(__name__)
 MAX_KEY_BYTES = 500  # LMDB's key limit (511) less the LRU tick that prefixes a key in `lru`
 _ROOM_ROUNDS = 64  # a chunk's tries for room in the map (`_make_room`) before it is dropped
 _OWNER = b"owner:"  # info records: the key namespaces that use this directory (see Store.clear)
+# A large read is split over this many threads (`read_many`): the checksum holds the GIL, the copy out of
+# the map (in `consume`) and its page faults do not, so readers overlap (issue: the disk read path).
+READERS = max(1, min(8, (os.cpu_count() or 2) // 2))
+PARALLEL_READ_BYTES = 16 << 20  # a read of fewer bytes stays on the caller's thread
 
 
 class LMDBStore(Store):
     max_key_bytes = MAX_KEY_BYTES
 
     def __init__(self, path: str, capacity: int, fingerprint: bytes | None = None,
-                 url: str | None = None, max_readers: int = 256, evict: str = "lru"):
+                 url: str | None = None, max_readers: int = 256, evict: str = "lru", readers: int | None = None):
+        """`readers`: threads a large `read_many` is split over (default `READERS`; 1: the caller's only)."""
         super().__init__()
+        self.readers = READERS if readers is None else max(1, int(readers))
+        self._pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, executor): made on a first large read
+        self._pool_lock = threading.Lock()
         if evict not in POLICIES:
             raise StoreConfigError(f"LMDB store: evict= takes {' or '.join(POLICIES)}, got {str(evict)[:40]!r}")
         self.evict = evict  # the file's own, once open (lmdb_files.py)
@@ -292,26 +301,29 @@ class LMDBStore(Store):
 
     # -- reads --------------------------------------------------------------------------------------
     def read_many(self, keys: Sequence[bytes], consume: Callable[[int, memoryview], None]) -> list[bool]:
+        """Verified values, each handed to `consume` zero-copy from the map. A read of many bytes is split
+        over `readers` threads, each in its own read transaction, checksumming and consuming its part:
+        `consume` may then run on several threads at once (for distinct indices)."""
+        parts = self._read_parts(keys)
+        if len(parts) == 1:
+            results = [self._read_part(keys, parts[0], consume)]
+        else:
+            pool = self._reader_pool()
+            futures = [pool.submit(self._read_part, keys, part, consume) for part in parts[1:]]
+            results = [self._read_part(keys, parts[0], consume)] + [f.result() for f in futures]
         served = [False] * len(keys)
         bad: dict[bytes, str] = {}
-        nbytes = 0
-        try:
-            with self._env.begin(buffers=True) as txn:
-                for i, key in enumerate(keys):
-                    meta = txn.get(key, db=self._meta)
-                    if meta is None:
-                        continue
-                    payload = txn.get(key, db=self._data)
-                    problem = entry.verify(entry.decode_header(meta), self.fingerprint, payload)
-                    if problem:
-                        bad[key] = problem
-                        continue
-                    consume(i, payload)
-                    served[i] = True
-                    nbytes += payload.nbytes
-        except lmdb.Error as exc:  # a damaged tree, a full reader table: what was not served is a miss
-            self._warn_once("read", "LMDB store %s: read failed: %s", self.path, exc)
-            self._count(read_errors=1)
+        nbytes = errors = 0
+        for indices, part_bad, part_bytes, error in results:
+            for i in indices:
+                served[i] = True
+            bad.update(part_bad)
+            nbytes += part_bytes
+            if error is not None:  # a damaged tree, a full reader table: what was not served is a miss
+                errors += 1
+                self._warn_once("read", "LMDB store %s: read failed: %s", self.path, error)
+        if errors:
+            self._count(read_errors=errors)
         hits = sum(served)
         self._count(hits=hits, misses=len(keys) - hits, get_bytes=nbytes)
         if hits:
@@ -321,6 +333,60 @@ class LMDBStore(Store):
         if bad:
             self._drop_bad(bad)
         return served
+
+    def _read_part(self, keys: Sequence[bytes], indices: range, consume: Callable[[int, memoryview], None]):
+        """One reader's run of `keys`: (indices served, bad entries, bytes, the lmdb.Error that ended it)."""
+        served: list[int] = []
+        bad: dict[bytes, str] = {}
+        nbytes = 0
+        try:
+            with self._env.begin(buffers=True) as txn:
+                for i in indices:
+                    key = keys[i]
+                    meta = txn.get(key, db=self._meta)
+                    if meta is None:
+                        continue
+                    payload = txn.get(key, db=self._data)
+                    problem = entry.verify(entry.decode_header(meta), self.fingerprint, payload)
+                    if problem:
+                        bad[key] = problem
+                        continue
+                    consume(i, payload)
+                    served.append(i)
+                    nbytes += payload.nbytes
+        except lmdb.Error as exc:
+            return served, bad, nbytes, exc
+        return served, bad, nbytes, None
+
+    def _read_parts(self, keys: Sequence[bytes]) -> list[range]:
+        """Contiguous runs of `keys` of about equal bytes, one per reader; one run for a read under
+        PARALLEL_READ_BYTES (the sizes come from the headers: a hint, each reader re-reads its own)."""
+        if self.readers < 2 or len(keys) < 2:
+            return [range(len(keys))]
+        try:
+            with self._env.begin(buffers=True) as txn:
+                sizes = [getattr(entry.decode_header(meta), "length", 0) if (meta := txn.get(k, db=self._meta))
+                         else 0 for k in keys]
+        except lmdb.Error:
+            return [range(len(keys))]
+        total = sum(sizes)
+        if total < PARALLEL_READ_BYTES:
+            return [range(len(keys))]
+        n = min(self.readers, len(keys))
+        cuts, running, target = [0], 0, total / n
+        for i, size in enumerate(sizes):
+            running += size
+            if running >= target * len(cuts) and len(cuts) < n and i + 1 < len(keys):
+                cuts.append(i + 1)
+        cuts.append(len(keys))
+        return [range(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+    def _reader_pool(self) -> ThreadPoolExecutor:
+        """The reader threads (made on first use, again in a forked child: threads do not survive a fork)."""
+        with self._pool_lock:
+            if self._pool is None or self._pool[0] != os.getpid():
+                self._pool = (os.getpid(), ThreadPoolExecutor(self.readers - 1, thread_name_prefix="kvoffload-lmdb-read"))
+            return self._pool[1]
 
     def _drop_bad(self, bad: dict[bytes, str]) -> None:
         """Entries that failed verification are deleted (another layout's entries are left alone)."""
@@ -409,6 +475,10 @@ class LMDBStore(Store):
         return usage
 
     def close(self) -> None:
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None and pool[0] == os.getpid():
+            pool[1].shutdown(wait=True)  # no reader may be inside the environment when it closes
         if self._env is not None:
             self._persist_touches(wait=True)
             self._env.close()

@@ -185,20 +185,19 @@ class TieredStore(Store):
         return back(missing) if missing else 0
 
     def read_many(self, keys: Sequence[bytes], consume: Callable[[int, memoryview], None]) -> list[bool]:
-        nbytes = promoted = 0
+        # Per key, not running totals: the back tier may consume on several reader threads at once.
+        sizes, promoted = [0] * len(keys), [False] * len(keys)
 
         def counted(i: int, view: memoryview) -> None:
-            nonlocal nbytes
             consume(i, view)
-            nbytes += view.nbytes
+            sizes[i] = view.nbytes
 
         def from_writer(i: int, view: np.ndarray) -> None:
             counted(i, memoryview(view))
             served[i] = True
 
         def from_back(i: int, view: memoryview) -> None:
-            nonlocal promoted
-            promoted += self._promote(keys[i], view)
+            promoted[i] = self._promote(keys[i], view)
             counted(i, view)
             served[i] = True
 
@@ -208,8 +207,8 @@ class TieredStore(Store):
         disk_hits = self._cascade(keys, served, from_writer,
                                   lambda missing: self._read_back(keys, missing, from_back, readers=1))
         hits = sum(served)
-        self._count(hits=hits, misses=len(keys) - hits, get_bytes=nbytes, memory_hits=hits - disk_hits,
-                    disk_hits=disk_hits, promotions=promoted)
+        self._count(hits=hits, misses=len(keys) - hits, get_bytes=sum(sizes), memory_hits=hits - disk_hits,
+                    disk_hits=disk_hits, promotions=sum(promoted))
         return served
 
     def acquire(self, keys: Sequence[bytes], *, touch: bool = True) -> list[Lease | None]:

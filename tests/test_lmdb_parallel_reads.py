@@ -1,0 +1,86 @@
+"""A large LMDB read is split over reader threads (`LMDBStore.readers`), each in its own transaction:
+every value still arrives byte for byte in its slot, a corrupt or missing one is still a counted miss,
+and small reads stay on the caller's thread."""
+
+import threading
+
+import numpy as np
+
+from kvoffload.store.lmdb_store import PARALLEL_READ_BYTES, LMDBStore
+from kvoffload.store.tiered import TieredStore
+from kvoffload.store.memory import MemoryStore
+
+SIZE = 1 << 20
+COUNT = 2 * PARALLEL_READ_BYTES // SIZE  # twice the bytes that split a read
+
+
+def _values(n: int = COUNT) -> dict[bytes, bytes]:
+    return {b"k%03d" % i: np.random.default_rng(i).integers(0, 256, SIZE, dtype=np.uint8).tobytes() for i in range(n)}
+
+
+def _read(store, keys):
+    got, threads = {}, set()
+
+    def consume(i, view):
+        got[i] = bytes(view)
+        threads.add(threading.current_thread().name)
+
+    return store.read_many(keys, consume), got, threads
+
+
+def test_a_large_read_is_split_over_readers_byte_for_byte(tmp_path):
+    values = _values()
+    with LMDBStore(str(tmp_path / "db"), 256 << 20, readers=4) as store:
+        assert all(store.put_many(list(values.items())))
+        keys = [b"absent"] + list(values) + [b"also-absent"]
+        served, got, threads = _read(store, keys)
+        assert served == [False] + [True] * len(values) + [False]
+        assert [got[i] for i in range(1, len(keys) - 1)] == list(values.values())
+        assert [len(part) for part in store._read_parts(keys)] == [9, 8, 8, 9]  # four runs of ~equal bytes
+        assert any(name.startswith("kvoffload-lmdb-read") for name in threads) and len(threads) >= 2
+        stats = store.stats()
+        assert (stats["hits"], stats["misses"], stats["get_bytes"]) == (len(values), 2, len(values) * SIZE)
+
+
+def test_small_reads_and_one_reader_stay_on_the_callers_thread(tmp_path):
+    values = _values()
+    with LMDBStore(str(tmp_path / "one"), 256 << 20, readers=1) as store:
+        assert all(store.put_many(list(values.items())))
+        served, got, threads = _read(store, list(values))
+        assert all(served) and threads == {threading.current_thread().name}
+    with LMDBStore(str(tmp_path / "small"), 64 << 20, readers=4) as store:
+        small = _values(4)  # 4 MiB: under the split threshold
+        assert all(store.put_many(list(small.items())))
+        served, got, threads = _read(store, list(small))
+        assert all(served) and threads == {threading.current_thread().name}
+
+
+def test_a_corrupt_value_in_a_readers_part_is_a_counted_miss(tmp_path):
+    values = _values()
+    victim = list(values)[-3]  # in the last reader's part
+    path = tmp_path / "db"
+    with LMDBStore(str(path), 256 << 20, readers=4) as store:
+        assert all(store.put_many(list(values.items())))
+    with open(path / "data.mdb", "r+b") as f:
+        data = f.read()
+        at = data.find(values[victim][:64]) + 100
+        f.seek(at)
+        f.write(bytes([data[at] ^ 0xFF]))
+    with LMDBStore(str(path), 256 << 20, readers=4) as store:
+        served, got, _ = _read(store, list(values))
+        assert served == [key != victim for key in values]
+        assert all(got[i] == value for i, (key, value) in enumerate(values.items()) if key != victim)
+        assert store.stats()["checksum_failures"] == 1 and not store.contains(victim)
+
+
+def test_close_stops_the_readers_and_a_tiered_read_counts_once(tmp_path):
+    values = _values()
+    back = LMDBStore(str(tmp_path / "db"), 256 << 20, readers=4)
+    assert all(back.put_many(list(values.items())))
+    store = TieredStore(MemoryStore(64 << 20, pinned=False), back)
+    served, got, threads = _read(store, list(values))  # every value from the back, consumed on its readers
+    assert all(served) and len(threads) > 1
+    stats = store.stats()
+    assert (stats["hits"], stats["disk_hits"], stats["get_bytes"]) == (len(values), len(values), len(values) * SIZE)
+    store.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvoffload-lmdb-read")]

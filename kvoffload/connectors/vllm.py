@@ -65,9 +65,9 @@ from ..spec.vllm import UnsupportedLayoutError, key_context, scheduler_view
 from ..errors import ConfigError
 from .vllm_config import EXTRA_CONFIG_KEYS, ConnectorConfig
 from .vllm_identity import vllm_model_identity
+from .vllm_messages import KVOffloadMetadata, LoadJob, SaveJob, StoredPages
 from .vllm_metrics import KVOffloadPromMetrics, KVOffloadStats
 from .vllm_scheduler import _Scheduler
-from .vllm_messages import KVOffloadMetadata, LoadJob, SaveJob, StoredPages
 from .vllm_worker import _Worker
 
 if TYPE_CHECKING:

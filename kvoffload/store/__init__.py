@@ -11,9 +11,9 @@ from .inspect import inspect_store
 from .lmdb_store import LMDBStore
 from .memory import MemoryStore
 from .opening import open_spec, open_store, shared_store
-from .url_config import LMDBSpec, MemorySpec, RedisSpec, StoreSpec, TieredSpec, parse_store_url
 from .tiered import TieredStore
 from .url import parse_size
+from .url_config import LMDBSpec, MemorySpec, RedisSpec, StoreSpec, TieredSpec, parse_store_url
 
 __all__ = ["Store", "open_store", "open_spec", "shared_store", "parse_store_url", "MemoryStore", "LMDBStore",
            "TieredStore", "StoreConfigError", "EntryTooLargeError", "IncompatibleStoreError", "parse_size",

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from .errors import StoreConfigError
 from .lmdb_store import read_stats
-from .url_config import LMDBSpec, MemorySpec, RedisSpec, TieredSpec, parse_store_url
 from .url import redact_url
+from .url_config import LMDBSpec, MemorySpec, RedisSpec, TieredSpec, parse_store_url
 
 
 def inspect_store(url: str) -> dict:

@@ -12,9 +12,9 @@ from .base import Store
 from .errors import StoreConfigError
 from .lmdb_store import LMDBStore
 from .memory import MemoryStore
-from .url_config import LMDBSpec, MemorySpec, RedisSpec, StoreSpec, TieredSpec, parse_store_url
 from .tiered import TieredStore
 from .url import redact_url
+from .url_config import LMDBSpec, MemorySpec, RedisSpec, StoreSpec, TieredSpec, parse_store_url
 
 
 def open_store(url: str, *, fingerprint: bytes | str | None = None) -> Store:

@@ -32,8 +32,8 @@ from . import entry
 from .base import Store
 from .buffers import Buffer
 from .errors import StoreConfigError
-from .url_config import RedisSpec, parse_store_url
 from .url import parse_size, redact_url
+from .url_config import RedisSpec, parse_store_url
 
 log = logging.getLogger(__name__)
 

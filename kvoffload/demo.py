@@ -10,10 +10,6 @@ from .paths import demo_store_url
 from .verify import verify
 
 
-def default_store_url() -> str:
-    return demo_store_url()
-
-
 def _rate(nbytes: int, microseconds: int) -> str:
     return f"{nbytes / max(microseconds, 1):.0f} MB/s" if microseconds else "n/a"
 
@@ -47,6 +43,6 @@ def report_lines(report: dict) -> list[str]:
 
 def run_demo(store_url: str | None = None, progress=None) -> dict:
     progress = progress or (lambda message: print(message, file=sys.stderr, flush=True))
-    url = store_url or default_store_url()
+    url = store_url or demo_store_url()
     progress(f"[demo] tiny GLM-5.3-Flash runner, store {url}")
     return verify(url, preset="tiny", restart=True, progress=progress)

@@ -91,10 +91,6 @@ def weight_files(path: str) -> list[str]:
     return [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n))]
 
 
-def default_cache_path() -> str:
-    return weight_digest_cache()
-
-
 def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -182,7 +178,7 @@ def weights_digest(path: str, *, cache_path: str | None = None,
     if not files:
         raise ModelIdentityError(f"no weight files ({', '.join('*' + p for p in WEIGHT_PATTERNS)}) in {path}")
     say = progress or (lambda _m: None)
-    cache = _DigestCache(cache_path or default_cache_path())
+    cache = _DigestCache(cache_path or weight_digest_cache())
     digests = _cached(cache, files)
     if len(digests) < len(files):
         with cache.locked(say):

@@ -69,9 +69,6 @@ class Ghost:
         self._bytes -= nbytes
         return True
 
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._keys
-
     def clear(self) -> None:
         self._keys.clear()
         self._bytes = 0

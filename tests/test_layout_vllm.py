@@ -193,7 +193,8 @@ def test_scheduler_view_agrees_with_worker_layout(builder):
     (uniform-type wrappers replaced by one layer's spec) or from a worker's, is the worker layout's."""
     from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
 
-    from kvoffload.spec.vllm import KindsLayout, check_agreement, scheduler_view
+    from kvoffload.spec.layout import KindsLayout
+    from kvoffload.spec.vllm import check_agreement, scheduler_view
 
     config = getattr(vllm_layouts, builder)()
     layout = from_vllm(config)
@@ -210,7 +211,8 @@ def test_finer_prefix_match_unit_keeps_the_physical_block(unit):
     pages and hits stay per physical block, in both views; a hit is also on vLLM's finer grid."""
     from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
 
-    from kvoffload.spec.vllm import KindsLayout, check_agreement, scheduler_view
+    from kvoffload.spec.layout import KindsLayout
+    from kvoffload.spec.vllm import check_agreement, scheduler_view
 
     config = vllm_layouts.qwen3_next_like_config(prefix_match_unit=unit)
     layout = from_vllm(config)

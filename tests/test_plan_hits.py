@@ -7,7 +7,7 @@ import pytest
 
 from kvoffload.connectors.plan import hit_blocks, max_hit_blocks, page
 from kvoffload.spec import GroupKind, KeyChain
-from kvoffload.spec.vllm import KindsGroup, KindsLayout
+from kvoffload.spec.layout import KindsGroup, KindsLayout
 
 
 def _layout(tp_size: int) -> KindsLayout:

@@ -10,7 +10,7 @@ from kvoffload.connectors.plan import hit_and_junction, hit_blocks, page, pages_
 from kvoffload.connectors.retention import DEFAULT, EVERY, StateRetention, as_retention
 from kvoffload.errors import ConfigError
 from kvoffload.spec import GroupKind, KeyChain
-from kvoffload.spec.vllm import KindsGroup, KindsLayout
+from kvoffload.spec.layout import KindsGroup, KindsLayout
 
 POLICIES = ["every", "last", "last+junction", "last+every:3", "last+exp", "last+backexp"]
 

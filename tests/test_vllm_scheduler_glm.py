@@ -620,7 +620,7 @@ def _glm_kv_caches(worker_cfg):
 def test_worker_layout_agrees_with_the_scheduler_view_at_register(tmp_path):
     """The facade delegates to one side per role; a worker's register_kv_caches builds the full layout and
     checks it against the scheduler's view (block size, hit alignment, groups) before any byte moves."""
-    from kvoffload.spec.vllm import KindsLayout
+    from kvoffload.spec.layout import KindsLayout
 
     worker = _connector(tmp_path, role_name="WORKER")
     assert worker.connector_scheduler is None and worker.connector_worker is not None

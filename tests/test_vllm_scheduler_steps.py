@@ -13,7 +13,7 @@ pytest.importorskip("vllm")
 
 from kvoffload.connectors.vllm_scheduler import _Scheduler  # noqa: E402
 from kvoffload.spec import GroupKind, KeyChain  # noqa: E402
-from kvoffload.spec.vllm import KindsGroup, KindsLayout  # noqa: E402
+from kvoffload.spec.layout import KindsGroup, KindsLayout  # noqa: E402
 
 BLOCK = 4
 

@@ -16,77 +16,82 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Union
+from typing import Generic, TypeVar
 
-from ..spec import CacheGroup, CacheLayout, GroupKind, page_key, shard_key
+from ..spec import GroupKind, page_key, shard_key
+from ..spec.layout import GroupView, LayoutView
 
 # A request's block table: one for every group (the bundled runner), or one per group index (vLLM's
 # hybrid allocator gives each group its own block IDs).
-BlockTable = Union[Sequence[int], Mapping[int, Sequence[int]]]
+BlockTable = Sequence[int] | Mapping[int, Sequence[int]]
+
+G = TypeVar("G", bound=GroupView)
 
 
 @dataclass(frozen=True, slots=True)
-class Page:
-    """A page to move: the one reference plan, offloader, jobs and transfers share."""
+class Page(Generic[G]):
+    """A page to move: the one reference plan, offloader, jobs and transfers share. Its group is the
+    layout's: a `CacheGroup` (byte placement: what a transfer needs) or, planned on vLLM's scheduler
+    view, a `KindsGroup`."""
 
     key: bytes  # store key: page_key(block key, group name)
-    group: CacheGroup
+    group: G
     index: int  # block index within the request (block i covers tokens [i*B, (i+1)*B))
     block: int | None = None  # physical block in the cache; None until placed through a block table
 
 
-def physical_block(table: BlockTable, group: CacheGroup, index: int) -> int:
+def physical_block(table: BlockTable, group: GroupView, index: int) -> int:
     """Where block `index` of a request lives for `group`, under `table`."""
     return table[group.index][index] if isinstance(table, Mapping) else table[index]
 
 
-def store_key(layout, block_key: bytes, group: CacheGroup, rank: int | None = None) -> bytes:
+def store_key(layout: LayoutView, block_key: bytes, group: GroupView, rank: int | None = None) -> bytes:
     """The store key of one group's page of a block for `rank` (default: the layout's own TP rank; a
     scheduler's rank-free view names rank 0's): `page(...).key` without building the page."""
-    rank = getattr(layout, "tp_rank", 0) if rank is None else rank
+    rank = layout.tp_rank if rank is None else rank
     return page_key(shard_key(block_key, rank, layout.tp_size, group.tp_replicas), group.name)
 
 
-def page(layout, block_key: bytes, group: CacheGroup, index: int, rank: int | None = None,
-         block: int | None = None) -> Page:
+def page(layout: LayoutView, block_key: bytes, group: G, index: int, rank: int | None = None,
+         block: int | None = None) -> Page[G]:
     """One group's page of a block, keyed for `rank` (see `store_key`), at physical `block` if given."""
     return Page(store_key(layout, block_key, group, rank), group, index, block)
 
 
-def writes(layout: CacheLayout, group: CacheGroup) -> bool:
+def writes(layout: LayoutView, group: GroupView) -> bool:
     """Whether this rank stores `group`'s pages: one rank per set of replicas does."""
-    return getattr(layout, "tp_rank", 0) % group.tp_replicas == 0
+    return layout.tp_rank % group.tp_replicas == 0
 
 
-def _pages(layout, block_keys: Sequence[bytes], blocks: Iterable[int], kind: GroupKind,
-           rank: int | None = None, table: BlockTable | None = None) -> list[Page]:
+def _pages(layout: LayoutView[G], block_keys: Sequence[bytes], blocks: Iterable[int], kind: GroupKind,
+           rank: int | None = None, table: BlockTable | None = None) -> list[Page[G]]:
     groups = [g for g in layout.cacheable_groups if g.kind is kind]
     return [page(layout, block_keys[i], g, i, rank, None if table is None else physical_block(table, g, i))
             for i in blocks for g in groups]
 
 
-def _every_rank(layout, block_keys: Sequence[bytes], blocks: range, kind: GroupKind) -> dict[bytes, int]:
+def _every_rank(layout: LayoutView, block_keys: Sequence[bytes], blocks: range, kind: GroupKind) -> dict[bytes, int]:
     """The store keys of `blocks`' pages on every TP rank (each shared key once) -> their block index."""
     groups = [g for g in layout.cacheable_groups if g.kind is kind]
     return {store_key(layout, block_keys[i], g, rank): i
             for rank in range(layout.tp_size) for i in blocks for g in groups}
 
 
-def max_hit_blocks(layout: CacheLayout, num_prompt_tokens: int) -> int:
+def max_hit_blocks(layout: LayoutView, num_prompt_tokens: int) -> int:
     """The longest prefix that may come from a cache: aligned, and one prompt token left to compute."""
     step = layout.hit_alignment
     aligned = (num_prompt_tokens - 1) // step * step
     return aligned // layout.block_size
 
 
-def hit_blocks(layout: CacheLayout, block_keys: Sequence[bytes], num_prompt_tokens: int,
+def hit_blocks(layout: LayoutView, block_keys: Sequence[bytes], num_prompt_tokens: int,
                contains: Callable[[list[bytes]], list[bool]], start: int = 0) -> int:
     """How many leading blocks a store can restore on every TP rank (>= `start`, the blocks the engine
     already holds; returns `start` when the store adds nothing). One batched presence query."""
     return hit_and_junction(layout, block_keys, num_prompt_tokens, contains, start)[0]
 
 
-def hit_and_junction(layout: CacheLayout, block_keys: Sequence[bytes], num_prompt_tokens: int,
+def hit_and_junction(layout: LayoutView, block_keys: Sequence[bytes], num_prompt_tokens: int,
                      contains: Callable[[list[bytes]], list[bool]], start: int = 0) -> tuple[int, int]:
     """`hit_blocks`, and the junction: where the leading run of blocks whose PAGED pages are all stored
     ends (aligned down), when that is past the hit, else 0. There a stored prefix lacks the checkpoint
@@ -113,8 +118,8 @@ def hit_and_junction(layout: CacheLayout, block_keys: Sequence[bytes], num_promp
     return best, junction if junction > best else 0
 
 
-def pages_for_load(layout: CacheLayout, block_keys: Sequence[bytes], start: int, end: int,
-                   table: BlockTable | None = None) -> list[Page]:
+def pages_for_load(layout: LayoutView[G], block_keys: Sequence[bytes], start: int, end: int,
+                   table: BlockTable | None = None) -> list[Page[G]]:
     """Pages to restore blocks [start, end): their PAGED pages and the STATE checkpoint at `end`
     (placed at their physical blocks under `table`, if given)."""
     if end <= start:
@@ -123,8 +128,8 @@ def pages_for_load(layout: CacheLayout, block_keys: Sequence[bytes], start: int,
             + _pages(layout, block_keys, [end - 1], GroupKind.STATE, table=table))
 
 
-def pages_for_save(layout: CacheLayout, block_keys: Sequence[bytes], full_blocks: int,
-                   state_blocks: Iterable[int], table: BlockTable | None = None) -> list[Page]:
+def pages_for_save(layout: LayoutView[G], block_keys: Sequence[bytes], full_blocks: int,
+                   state_blocks: Iterable[int], table: BlockTable | None = None) -> list[Page[G]]:
     """PAGED pages of every full computed block; STATE pages only where a boundary checkpoint exists;
     of a replicated group only on the rank that writes it (placed under `table`, if given)."""
     blocks = range(min(full_blocks, len(block_keys)))

@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..spec.layout import LayoutView
 from .plan import max_hit_blocks
 
 RULES = ("every", "every:K", "last", "exp", "backexp", "junction")
@@ -85,7 +86,7 @@ class StateRetention:
         terms += ["backexp"] if self.backexp else []
         return "+".join(terms)
 
-    def keeps(self, layout, num_prompt_tokens: int, boundary: int, key_blocks: int | None = None,
+    def keeps(self, layout: LayoutView, num_prompt_tokens: int, boundary: int, key_blocks: int | None = None,
               junction: int = 0) -> bool:
         """Whether the checkpoint `boundary` blocks into a prompt of `num_prompt_tokens` is stored;
         `key_blocks`: the request's keys stop there (a per-request cap), and so does its longest hit;
@@ -105,20 +106,20 @@ class StateRetention:
         back = last - j
         return self.backexp and back > 0 and back & (back - 1) == 0
 
-    def boundaries(self, layout, num_prompt_tokens: int, full_blocks: int, key_blocks: int | None = None,
+    def boundaries(self, layout: LayoutView, num_prompt_tokens: int, full_blocks: int, key_blocks: int | None = None,
                    junction: int = 0) -> list[int]:
         """The kept boundaries (in blocks) among 1..full_blocks."""
         return [k for k in range(1, full_blocks + 1)
                 if self.keeps(layout, num_prompt_tokens, k, key_blocks, junction)]
 
-    def state_blocks(self, layout, num_prompt_tokens: int, blocks: Iterable[int], key_blocks: int | None = None,
-                     junction: int = 0) -> list[int]:
+    def state_blocks(self, layout: LayoutView, num_prompt_tokens: int, blocks: Iterable[int],
+                     key_blocks: int | None = None, junction: int = 0) -> list[int]:
         """Of the blocks an engine holds a checkpoint after (`pages_for_save`'s `state_blocks`: block i
         ends at boundary i + 1), those whose checkpoint is kept."""
         return [i for i in blocks if self.keeps(layout, num_prompt_tokens, i + 1, key_blocks, junction)]
 
 
-def longest_hit(layout, num_prompt_tokens: int, key_blocks: int | None = None) -> int:
+def longest_hit(layout: LayoutView, num_prompt_tokens: int, key_blocks: int | None = None) -> int:
     """The boundary (in blocks) where the longest hit of this prompt ends: `max_hit_blocks`, within the
     request's keys when they stop early (`key_blocks`), aligned."""
     last = max_hit_blocks(layout, num_prompt_tokens)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..spec import GroupKind, KeyChain, request_salt
-from ..spec.vllm import KindsLayout
+from ..spec.layout import KindsLayout
 from ..store import StoreSpec, parse_store_url, shared_store
 from ..store.url import redact_url
 from .plan import hit_and_junction, hit_blocks, store_key

@@ -11,7 +11,8 @@ from collections import Counter
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from ..spec.vllm import KindsLayout, check_agreement, check_tensors, from_vllm
+from ..spec.layout import KindsLayout
+from ..spec.vllm import check_agreement, check_tensors, from_vllm
 from ..store import shared_store
 from .jobs import Jobs
 from .offloader import Offloader

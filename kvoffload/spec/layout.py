@@ -7,6 +7,8 @@ A cache is a set of groups sharing one block table each. A group is
 Each group's pages live in one or more `Region`s of the backing buffers: the page of layer `l` in
 block `b` starts at `offset + l * layer_stride + b * block_stride`, and only its first `used_bytes`
 are data (the rest is padding that packing added, which is never copied or stored).
+`KindsLayout` is the same cache without byte placement (vLLM's scheduler process plans with it); `plan`
+takes either through `LayoutView`, the protocol both satisfy.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import enum
 import hashlib
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
+from typing import Protocol, TypeVar
 
 # Bump when the meaning of stored page bytes changes for the same layout.
 PAGE_FORMAT_VERSION = 1
@@ -185,6 +189,73 @@ class CacheLayout:
                         "used_bytes_per_block": g.used_bytes_per_block,
                         "regions": [asdict(r) for r in g.regions]} for g in self.groups],
         }
+
+
+class GroupView(Protocol):
+    """What `plan` reads of a cache group: a worker's `CacheGroup` or the scheduler's `KindsGroup`."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def kind(self) -> GroupKind: ...
+    @property
+    def tp_replicas(self) -> int: ...
+
+
+G_co = TypeVar("G_co", bound=GroupView, covariant=True)
+
+
+class LayoutView(Protocol[G_co]):
+    """What `plan` reads of a layout: a `CacheLayout` (a worker's, the bundled runner's, with byte
+    placement) or a `KindsLayout` (vLLM's scheduler, without), both engine-neutral."""
+
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def hit_alignment(self) -> int: ...
+    @property
+    def tp_rank(self) -> int: ...
+    @property
+    def tp_size(self) -> int: ...
+    @property
+    def cacheable_groups(self) -> Sequence[G_co]: ...
+
+
+@dataclass(frozen=True)
+class KindsGroup:
+    """A cache group without byte placement: what the scheduler side plans with."""
+
+    index: int
+    kind: GroupKind
+    name: str
+    tp_replicas: int = 1
+
+
+@dataclass(frozen=True)
+class KindsLayout:
+    """What `plan` needs on the scheduler side (group kinds, block size, alignment) without byte
+    placement, which only workers know (`spec.vllm.scheduler_view` builds it from vLLM's config)."""
+
+    block_size: int
+    hit_alignment: int
+    kinds: tuple[GroupKind, ...]  # every group, SKIP included (keys and save jobs index groups by position)
+    cacheable_groups: tuple[KindsGroup, ...]
+    contents: tuple[str, ...] = ()  # every group's page content (`spec.vllm.group_content`), in the key context
+    tp_size: int = 1  # the scheduler plans for every rank: a hit needs each rank's pages
+
+    @property
+    def tp_rank(self) -> int:
+        """The view is rank-free: keys it names without a rank are rank 0's (`plan.store_key`)."""
+        return 0
+
+    @classmethod
+    def of(cls, layout: CacheLayout) -> KindsLayout:
+        """The same view of a worker's full layout."""
+        return cls(layout.block_size, layout.hit_alignment, tuple(g.kind for g in layout.groups),
+                   tuple(KindsGroup(g.index, g.kind, g.name, g.tp_replicas) for g in layout.cacheable_groups),
+                   tuple(g.content for g in layout.groups), layout.tp_size)
 
 
 def lcm(*values: int) -> int:

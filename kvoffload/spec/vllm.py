@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
 from typing import Any
 
 from ..errors import LayoutError
 from .keys import _framed
-from .layout import CacheGroup, CacheLayout, GroupKind, Region, lcm
+from .layout import CacheGroup, CacheLayout, GroupKind, KindsGroup, KindsLayout, Region, lcm
 
 # The kpool tail ring's spec, by the names vLLM builds give it: never prefix-cached.
 _TAIL_SPECS = ("CircularBufferSpec", "KpoolTailSpec")
@@ -217,36 +216,6 @@ def _group_replicas(specs, tp_size: int, dcp_size: int, share: bool) -> int:
     if not share:
         return 1
     return math.gcd(tp_size, *(_spec_replicas(spec, tp_size, dcp_size) for spec in specs))
-
-
-@dataclass(frozen=True)
-class KindsGroup:
-    """A cache group without byte placement: what the scheduler side plans with."""
-
-    index: int
-    kind: GroupKind
-    name: str
-    tp_replicas: int = 1
-
-
-@dataclass(frozen=True)
-class KindsLayout:
-    """What `plan` needs on the scheduler side (group kinds, block size, alignment) without byte
-    placement, which only workers know."""
-
-    block_size: int
-    hit_alignment: int
-    kinds: tuple[GroupKind, ...]  # every group, SKIP included (keys and save jobs index groups by position)
-    cacheable_groups: tuple[KindsGroup, ...]
-    contents: tuple[str, ...] = ()  # every group's page content (`group_content`), in the key context
-    tp_size: int = 1  # the scheduler plans for every rank: a hit needs each rank's pages
-
-    @classmethod
-    def of(cls, layout: CacheLayout) -> KindsLayout:
-        """The same view of a worker's full layout."""
-        return cls(layout.block_size, layout.hit_alignment, tuple(g.kind for g in layout.groups),
-                   tuple(KindsGroup(g.index, g.kind, g.name, g.tp_replicas) for g in layout.cacheable_groups),
-                   tuple(g.content for g in layout.groups), layout.tp_size)
 
 
 def physical_block_size(kv_cache_config, kinds: list[GroupKind] | None = None) -> int:

@@ -36,6 +36,7 @@ class GatedStore(Store):
         self.gate, self.entered = threading.Event(), threading.Event()
         self.gate.set()
         self.batches: list[list[tuple[bytes, bytes]]] = []
+        self.durable: list[bytes] = []  # the keys this tier reported written, in order
         self.fail: str | None = None  # "raise" or "false"
 
     def put_many(self, items):
@@ -47,7 +48,9 @@ class GatedStore(Store):
             raise OSError("the disk is on fire")
         if self.fail == "false":
             return [False] * len(items)
-        return self.inner.put_many(items)
+        written = self.inner.put_many(items)
+        self.durable.extend(k for (k, _), ok in zip(items, written) if ok)
+        return written
 
     def read_many(self, keys, consume):
         return self.inner.read_many(keys, consume)
@@ -254,8 +257,8 @@ def test_disk_hits_are_promoted_into_memory_slots(tmp_path):
 
 @pytest.mark.parametrize("failure", ["raise", "false"])
 def test_a_failing_back_is_counted_never_raised(gated, failure, caplog):
-    durable = []
-    store, back = gated(on_durable=durable.extend)
+    store, back = gated()
+    durable = back.durable
     back.fail = failure
     assert store.put_many([(b"f%d" % i, b"x" * 10) for i in range(5)]) == [True] * 5
     assert store.flush(WAIT)
@@ -266,21 +269,6 @@ def test_a_failing_back_is_counted_never_raised(gated, failure, caplog):
     assert store.put(b"after", b"y")
     assert store.flush(WAIT)
     assert durable == [b"after"] and back.inner.get(b"after") == b"y"
-
-
-def test_on_durable_errors_are_logged_not_fatal(gated, caplog):
-    calls = []
-
-    def broken(keys):
-        calls.append(keys)
-        raise RuntimeError("callback bug")
-
-    store, back = gated(on_durable=broken)
-    for i in range(3):
-        assert store.put(b"d%d" % i, b"z")
-        assert store.flush(WAIT)
-    assert calls == [[b"d0"], [b"d1"], [b"d2"]] and store.stats()["behind_written"] == 3
-    assert "on_durable callback failed" in caplog.text
 
 
 def test_url_options(tmp_path):
@@ -324,17 +312,19 @@ CHILD = """
 import os, sys, time
 sys.path.insert(0, os.path.join(os.environ["KVOFFLOAD_ROOT"], "tests"))
 from test_write_behind import value_of
-from kvoffload import open_store
+from kvoffload.store import LMDBStore, MemoryStore, TieredStore
 
-url, log_path, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+directory, log_path, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 
-def durable(keys):
-    os.write(fd, b"".join(k + b"\\n" for k in keys))
-    os.fsync(fd)
+class Reporting(LMDBStore):  # the disk tier, logging (synced) the keys it reported written
+    def put_many(self, items):
+        written = super().put_many(items)
+        os.write(fd, b"".join(k + b"\\n" for (k, _), ok in zip(items, written) if ok))
+        os.fsync(fd)
+        return written
 
-store = open_store(url)
-store.on_durable = durable
+store = TieredStore(MemoryStore(32 << 20), Reporting(directory, 64 << 20))
 for i in range(n):
     key = b"key%06d" % i
     assert store.put(key, value_of(key))
@@ -349,8 +339,8 @@ def test_sigkill_during_write_behind_loses_only_unreported_entries(tmp_path):
 
     n = 1000  # about 32 MiB of values: the LMDB tier (64 MiB) never evicts, so a missing key was never written
     log_path = tmp_path / "durable.log"
-    url = f"tiered://?memory=32MiB&lmdb={tmp_path}/db&lmdb_capacity=64MiB"
-    child = subprocess.Popen([sys.executable, "-c", CHILD, url, str(log_path), str(n)],
+    # the child's store: tiered://?memory=32MiB&lmdb={tmp_path}/db&lmdb_capacity=64MiB, its disk tier reporting
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path / "db"), str(log_path), str(n)],
                              env=subprocess_env(KVOFFLOAD_ROOT=ROOT), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:

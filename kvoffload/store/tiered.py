@@ -48,7 +48,7 @@ READERS = 4  # threads reading the back for one acquire (a cold prefix): faults 
 
 
 def _behind_option(name: str) -> property:
-    """A write-behind setting, read and set as the store's own (`store.on_durable = ...`)."""
+    """A write-behind setting, read and set as the store's own (`store.behind_age = ...`)."""
     return property(lambda self: getattr(self._behind, name), lambda self, value: setattr(self._behind, name, value))
 
 
@@ -56,11 +56,10 @@ class TieredStore(Store):
     COUNTERS = Store.COUNTERS + ("memory_hits", "disk_hits", "promotions", "behind_written", "behind_written_bytes",
                                  "behind_dropped", "behind_dropped_bytes", "behind_failed", "behind_not_admitted",
                                  "behind_admitted", "prefetched", "prefetched_bytes")
-    behind_bytes, behind_age, on_durable = map(_behind_option, ("behind_bytes", "behind_age", "on_durable"))
+    behind_bytes, behind_age = map(_behind_option, ("behind_bytes", "behind_age"))
 
     def __init__(self, front: Store, back: Store, url: str | None = None, *, write: str = "behind",
-                 behind_bytes: int | None = None, behind_age: float = DEFAULT_BEHIND_AGE,
-                 on_durable: Callable[[list[bytes]], None] | None = None, admit: int = 1):
+                 behind_bytes: int | None = None, behind_age: float = DEFAULT_BEHIND_AGE, admit: int = 1):
         super().__init__()
         if write not in WRITE_MODES:
             raise ValueError(f"write must be one of {', '.join(WRITE_MODES)}, got {write!r}")
@@ -71,7 +70,7 @@ class TieredStore(Store):
         self.front, self.back, self.write = front, back, write
         self.capacity = back.capacity
         self.url = url or f"tiered://({front.url} | {back.url})"
-        self._behind = WriteBehind(front, back, self.url, self._count, on_durable=on_durable, behind_age=behind_age,
+        self._behind = WriteBehind(front, back, self.url, self._count, behind_age=behind_age,
                                    behind_bytes=default_behind_bytes(front.capacity) if behind_bytes is None
                                    else behind_bytes)
         self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="kvoffload-read")  # threads start on use

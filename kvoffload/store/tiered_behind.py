@@ -14,8 +14,7 @@ most BATCH_ENTRIES / BATCH_BYTES per `back.put_many`) straight from the leased v
     (`behind_age`, default 30 s). A value that would exceed the byte bound is not queued, an entry
     waiting longer than the age bound is not written: either stays in memory only, counted
     (`behind_dropped`, `behind_dropped_bytes`), logged once at WARNING, then at DEBUG;
-  - a back that refuses or fails a write is counted (`behind_failed`), never raised to a caller;
-  - `on_durable(keys)` (optional) is called by the writer with the keys the back reported written.
+  - a back that refuses or fails a write is counted (`behind_failed`), never raised to a caller.
 `withdraw(keys)` makes way for a synchronous write or delete of keys in the back: a queued or in-flight
 value can neither overwrite nor resurrect them. `held(keys)` are the values waiting or in flight, for
 the store's lookups (tiered.py). A process that exits without closing its stores still writes what is
@@ -81,9 +80,9 @@ class WriteBehind:
     store's counter (the behind_* counters are the store's), `url` the store's, for messages."""
 
     def __init__(self, front: Store, back: Store, url: str, count: Callable[..., None], *, behind_bytes: int,
-                 behind_age: float, on_durable: Callable[[list[bytes]], None] | None):
+                 behind_age: float):
         self.front, self.back, self.url, self._count = front, back, url, count
-        self.behind_bytes, self.behind_age, self.on_durable = behind_bytes, behind_age, on_durable
+        self.behind_bytes, self.behind_age = behind_bytes, behind_age
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # queue or in-flight batch changed
         self._queue: OrderedDict[bytes, _Pending] = OrderedDict()  # oldest first
@@ -239,11 +238,6 @@ class WriteBehind:
             if len(done) < len(batch):
                 self._warn_once("refused", "tiered store %s: %s did not take %d value(s) written behind",
                                 self.url, self.back.url, len(batch) - len(done))
-            try:
-                if done and self.on_durable is not None:
-                    self.on_durable(done)
-            except Exception:
-                log.exception("tiered store %s: on_durable callback failed", self.url)
             self.front.release([p.lease for p in expired + batch])
             with self._lock:
                 self._inflight.clear()

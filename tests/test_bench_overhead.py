@@ -6,7 +6,7 @@ import sys
 import time
 
 from kvoffload.bench.overhead import summarize
-from kvoffload.bench.vllm_engine import _time_connector_hooks
+from kvoffload.harness.vllm_child import _time_connector_hooks
 
 
 def test_a_hook_inside_a_hook_is_timed_once(tmp_path, monkeypatch):

@@ -6,7 +6,7 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CORE = ("kvoffload.spec", "kvoffload.store", "kvoffload.connectors")
-ABOVE = ("kvoffload.bench", "kvoffload.cli", "kvoffload.demo", "kvoffload.verify", "glm_integration")
+ABOVE = ("kvoffload.bench", "kvoffload.harness", "kvoffload.cli", "kvoffload.demo", "kvoffload.verify", "glm_integration")
 
 
 def _modules() -> dict[str, pathlib.Path]:

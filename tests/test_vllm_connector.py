@@ -360,7 +360,7 @@ def test_a_queued_requests_prefix_is_prefetched_from_disk(qwen_dir, tmp_path, pr
     """tiered:// after a restart (memory empty, the prefix on LMDB only), one request at a time: the
     prompt added while another runs waits in vLLM's queue, and its prefix is promoted into memory
     meanwhile, so its load reads memory, not disk; tokens equal the cold run's. prefetch_bytes=0: none."""
-    from kvoffload.bench.vllm_engine import Engine
+    from kvoffload.harness.vllm_engine import Engine
 
     url = store_url("tiered", tmp_path)
     config = connector(url, **({} if prefetch else {"prefetch_bytes": "0"}))

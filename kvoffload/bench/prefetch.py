@@ -26,7 +26,7 @@ import torch
 
 from .common import machine
 from .datapath import _drop_file_cache, _raw_read, _raw_write
-from .vllm_engine import Engine
+from ..harness.vllm_engine import Engine
 from .vllm_models import tiny_llama
 
 BLOCK = 32

@@ -81,8 +81,8 @@ import urllib.error
 import urllib.request
 from typing import Any, Iterator
 
-from kvoffload.bench.vllm_engine import Engine, EngineRunError, stop_group
-from kvoffload.bench.vllm_engine import child_env as engine_env
+from kvoffload.harness.vllm_engine import Engine, EngineRunError, stop_group
+from kvoffload.harness.vllm_engine import child_env as engine_env
 
 HARNESS = os.path.abspath(__file__)
 SUPPORT_DIR = os.path.dirname(HARNESS)

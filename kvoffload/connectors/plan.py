@@ -9,14 +9,20 @@ at boundary k are present, k * block_size is a multiple of the hit alignment (he
 no open pool to restore), and at least one prompt token is left to compute.
 Under tensor parallelism a page's key names its shard (`spec.keys.shard_key`): a group replicated on
 several ranks is written by the first rank of each replica set and read by all, and a hit needs the
-pages of every rank.
+pages of every rank (`every_rank_keys`, the one place that spells those keys out).
+Every page set an adapter moves is decided here, on a `LayoutView` (a worker's or the runner's
+`CacheLayout`, or vLLM's rank-free scheduler `KindsLayout`): a hit (`hit_and_junction`), a load
+(`pages_for_load`), a save (`plan_save`: PAGED pages from a start block, STATE checkpoints the engine
+holds or hands off, a loaded range excluded, the retention policy applied), the keys a save in flight
+or a held block stands for (`in_flight_keys`, `held_keys`), and a rank's own pages of pages planned
+rank-free (`rank_free` -> `own_pages`). Adapters only say what the engine holds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 from ..spec import GroupKind, page_key, shard_key
 from ..spec.layout import GroupView, LayoutView
@@ -63,18 +69,36 @@ def writes(layout: LayoutView, group: GroupView) -> bool:
     return layout.tp_rank % group.tp_replicas == 0
 
 
+def _groups(layout: LayoutView[G], kind: GroupKind) -> list[G]:
+    return [g for g in layout.cacheable_groups if g.kind is kind]
+
+
 def _pages(layout: LayoutView[G], block_keys: Sequence[bytes], blocks: Iterable[int], kind: GroupKind,
            rank: int | None = None, table: BlockTable | None = None) -> list[Page[G]]:
-    groups = [g for g in layout.cacheable_groups if g.kind is kind]
+    groups = _groups(layout, kind)
     return [page(layout, block_keys[i], g, i, rank, None if table is None else physical_block(table, g, i))
             for i in blocks for g in groups]
 
 
-def _every_rank(layout: LayoutView, block_keys: Sequence[bytes], blocks: range, kind: GroupKind) -> dict[bytes, int]:
-    """The store keys of `blocks`' pages on every TP rank (each shared key once) -> their block index."""
-    groups = [g for g in layout.cacheable_groups if g.kind is kind]
-    return {store_key(layout, block_keys[i], g, rank): i
-            for rank in range(layout.tp_size) for i in blocks for g in groups}
+def every_rank_keys(layout: LayoutView, block_keys: Sequence[bytes],
+                    pages: Iterable[tuple[int, GroupView]]) -> dict[bytes, int]:
+    """The store keys of pages, each a (block index, group), on every TP rank (a key ranks share once)
+    -> their block index. The one place that spells out every rank's keys of a block."""
+    pages = list(pages)
+    return {store_key(layout, block_keys[i], g, rank): i for rank in range(layout.tp_size) for i, g in pages}
+
+
+def held_keys(layout: LayoutView, block_keys: Sequence[bytes], index: int) -> list[bytes]:
+    """Every rank's keys of block `index` that a hit through it needs: its PAGED pages and the STATE
+    checkpoint at its end (a block is *held* when all are stored: `vllm_events`)."""
+    return list(every_rank_keys(layout, block_keys, [(index, g) for g in layout.cacheable_groups]))
+
+
+def in_flight_keys(layout: LayoutView, block_keys: Sequence[bytes], pages: Iterable[Page]) -> list[bytes]:
+    """Every rank's keys of a save's `pages` (planned on any rank's view), each once: what lookups count
+    as present while the save runs, since a rank's own load runs after its own saves, in order. A page
+    ranks share (written by one rank, read by all) is not among them: it counts only once it is stored."""
+    return list(every_rank_keys(layout, block_keys, [(p.index, p.group) for p in pages if p.group.tp_replicas == 1]))
 
 
 def max_hit_blocks(layout: LayoutView, num_prompt_tokens: int) -> int:
@@ -100,8 +124,9 @@ def hit_and_junction(layout: LayoutView, block_keys: Sequence[bytes], num_prompt
     limit = min(max_hit_blocks(layout, num_prompt_tokens), len(block_keys))
     if limit <= start:
         return start, 0
-    paged = _every_rank(layout, block_keys, range(start, limit), GroupKind.PAGED)
-    state = _every_rank(layout, block_keys, range(start, limit), GroupKind.STATE)
+    blocks = range(start, limit)
+    paged = every_rank_keys(layout, block_keys, [(i, g) for i in blocks for g in _groups(layout, GroupKind.PAGED)])
+    state = every_rank_keys(layout, block_keys, [(i, g) for i in blocks for g in _groups(layout, GroupKind.STATE)])
     found = iter(contains([*paged, *state]))  # in that order: the paged answers, then the state ones
     paged_ok, state_ok = [True] * (limit - start), [True] * (limit - start)  # per block: every page there
     for ok, pages in ((paged_ok, paged), (state_ok, state)):
@@ -128,12 +153,72 @@ def pages_for_load(layout: LayoutView[G], block_keys: Sequence[bytes], start: in
             + _pages(layout, block_keys, [end - 1], GroupKind.STATE, table=table))
 
 
+class Handoff(NamedTuple):
+    """A STATE group's checkpoint an engine holds in a block of its own (vLLM's `boundary_state_offloads`
+    entries, in their order): the state of the prefix [0, boundary) tokens."""
+
+    group: int  # group index
+    block: int  # the physical block holding it
+    boundary: int  # tokens
+
+
+@dataclass(frozen=True, slots=True)
+class SavePlan(Generic[G]):
+    pages: list[Page[G]]
+    not_retained: int = 0  # checkpoints held but left out by the retention policy (`keep`)
+
+
+def plan_save(layout: LayoutView[G], block_keys: Sequence[bytes], full_blocks: int, state_blocks: Iterable[int] = (),
+              table: BlockTable | None = None, *, start: int = 0, handoffs: Iterable[Handoff] = (),
+              loaded: range = range(0), keep: Callable[[int], bool] | None = None) -> SavePlan[G]:
+    """What a save writes, the one place that decides it (`pages_for_save` is its page list):
+    - PAGED: the pages of the full computed blocks [start, full_blocks) (within the keys), under `table`;
+    - STATE: the checkpoint after each block of `state_blocks` below `full_blocks` (every STATE group,
+      under `table`) and each of `handoffs` that ends on a block boundary within the keys (at its own
+      block); never one inside the `loaded` blocks: vLLM offers a loaded boundary again, the very block
+      the load writes into, and saving it after a failed load would store stale bytes as this prefix's
+      checkpoint; and only those `keep(boundary in blocks)` retains (`retention.StateRetention.keeper`;
+      all without `keep`), the others counted in `not_retained`;
+    - of a replicated group, only on the rank that writes it (`writes`)."""
+    end = min(full_blocks, len(block_keys))
+    pages = _pages(layout, block_keys, range(start, end), GroupKind.PAGED, table=table)
+    stateful = {g.index: g for g in _groups(layout, GroupKind.STATE)}
+    held = [(g, i, None if table is None else physical_block(table, g, i))
+            for i in sorted(set(state_blocks) & set(range(end))) for g in stateful.values()]
+    for group_id, block_id, boundary in handoffs:
+        index = boundary // layout.block_size - 1
+        if group_id in stateful and boundary % layout.block_size == 0 and 0 <= index < len(block_keys):
+            held.append((stateful[group_id], index, block_id))
+    not_retained = 0
+    for g, i, block in held:
+        if i in loaded:
+            continue
+        if keep is not None and not keep(i + 1):
+            not_retained += 1
+            continue
+        pages.append(page(layout, block_keys[i], g, i, block=block))
+    return SavePlan([p for p in pages if writes(layout, p.group)], not_retained)
+
+
 def pages_for_save(layout: LayoutView[G], block_keys: Sequence[bytes], full_blocks: int,
                    state_blocks: Iterable[int], table: BlockTable | None = None) -> list[Page[G]]:
     """PAGED pages of every full computed block; STATE pages only where a boundary checkpoint exists;
-    of a replicated group only on the rank that writes it (placed under `table`, if given)."""
-    blocks = range(min(full_blocks, len(block_keys)))
-    with_state = sorted(set(state_blocks) & set(blocks))
-    pages = (_pages(layout, block_keys, blocks, GroupKind.PAGED, table=table)
-             + _pages(layout, block_keys, with_state, GroupKind.STATE, table=table))
-    return [p for p in pages if writes(layout, p.group)]
+    of a replicated group only on the rank that writes it (placed under `table`, if given): `plan_save`."""
+    return plan_save(layout, block_keys, full_blocks, state_blocks, table).pages
+
+
+# A page planned on a rank-free view, for every rank to key as its own: (block key, group index, block
+# index, physical block); compact on vLLM's pickled scheduler -> worker channel.
+PlacedPage = tuple[bytes, int, int, int]
+
+
+def rank_free(block_keys: Sequence[bytes], pages: Iterable[Page]) -> list[PlacedPage]:
+    """Placed pages (`Page.block` set) as each rank keys them again (`own_pages`)."""
+    return [(block_keys[p.index], p.group.index, p.index, p.block) for p in pages if p.block is not None]
+
+
+def own_pages(layout: LayoutView[G], placed: Iterable[PlacedPage]) -> list[Page[G]]:
+    """This rank's pages of pages planned rank-free (`rank_free`): keyed for the layout's TP rank, of a
+    replicated group only where this rank writes it."""
+    groups = {g.index: g for g in layout.cacheable_groups if writes(layout, g)}
+    return [page(layout, key, groups[g], index, block=block) for key, g, index, block in placed if g in groups]

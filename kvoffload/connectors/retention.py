@@ -25,7 +25,7 @@ one block they are every block boundary. Pure functions: no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ..errors import ConfigError
@@ -105,6 +105,12 @@ class StateRetention:
             return True
         back = last - j
         return self.backexp and back > 0 and back & (back - 1) == 0
+
+    def keeper(self, layout: LayoutView, num_prompt_tokens: int, key_blocks: int | None = None,
+               junction: int = 0) -> Callable[[int], bool]:
+        """`keeps` for one request: boundary (blocks) -> whether its checkpoint is stored (`plan.plan_save`'s
+        `keep`)."""
+        return lambda boundary: self.keeps(layout, num_prompt_tokens, boundary, key_blocks, junction)
 
     def boundaries(self, layout: LayoutView, num_prompt_tokens: int, full_blocks: int, key_blocks: int | None = None,
                    junction: int = 0) -> list[int]:

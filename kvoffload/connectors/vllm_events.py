@@ -32,8 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from ..spec import GroupKind
-from .plan import page
+from .plan import held_keys
 
 MEDIA = {"memory": "CPU"}  # every other scheme: "STORAGE"
 
@@ -79,10 +78,7 @@ class KVEvents:
 
         tokens = list(request.prompt_token_ids or [])[i * self.layout.block_size:(i + 1) * self.layout.block_size]
         lora = getattr(request, "lora_request", None)
-        kinds = (GroupKind.PAGED, GroupKind.STATE)
-        pages = list({page(self.layout, block_keys[i], g, i, rank).key: None
-                      for g in self.layout.cacheable_groups if g.kind in kinds
-                      for rank in range(self.layout.tp_size)})
+        pages = held_keys(self.layout, block_keys, i)
         return _Block([maybe_convert_block_hash(h) for h in hashes],
                       maybe_convert_block_hash(request.block_hashes[i * r - 1]) if i > 0 else None, tokens,
                       lora.adapter_id if lora is not None else None, lora.name if lora is not None else None, pages)

@@ -9,11 +9,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..spec import GroupKind, KeyChain, request_salt
+from ..spec import KeyChain, request_salt
 from ..spec.layout import KindsLayout
 from ..store import StoreSpec, parse_store_url, shared_store
 from ..store.url import redact_url
-from .plan import hit_and_junction, hit_blocks, store_key
+from .plan import Page, hit_and_junction, hit_blocks, in_flight_keys, plan_save, rank_free
 from .retention import DEFAULT, StateRetention
 from .vllm_events import KVEvents, medium_for
 from .vllm_shared import KVOffloadMetadata, LoadJob, PrefetchJob, SaveJob, StoredPages
@@ -279,12 +279,13 @@ class _Scheduler:
             state = self._requests.get(req_id)
             if state is None:
                 continue
-            job = self._save_job(req_id, state, scheduled, computed.get(req_id, 0), block_state,
-                                 handoffs.get(req_id, ()))
-            if job is not None:
+            pages = self._save_pages(req_id, state, scheduled, computed.get(req_id, 0), block_state,
+                                     handoffs.get(req_id, ()))
+            if pages:
+                job = SaveJob(req_id, rank_free(state.block_keys, pages))
                 if self._events is not None and state.request is not None:
-                    self._events.saved(state.request, state.block_keys, [index for _, _, index, _ in job.pages])
-                self._pin(job)
+                    self._events.saved(state.request, state.block_keys, [p.index for p in pages])
+                self._pin(job, in_flight_keys(self.layout, state.block_keys, pages))
                 state.sent_saves = True
                 meta.saves.append(job)
         meta.await_saves, self._await_saves = self._await_saves, []
@@ -322,26 +323,17 @@ class _Scheduler:
         self._clear_workers, self._uncleared = True, self._workers
         return True
 
-    def _pin(self, job: SaveJob) -> None:
-        """Reference the job's blocks in vLLM's pool until the workers report it (see kvoffload.connectors.vllm)."""
+    def _pin(self, job: SaveJob, keys: list[bytes]) -> None:
+        """Reference the job's blocks in vLLM's pool until the workers report it (see kvoffload.connectors.vllm);
+        `keys` (every rank's, `plan.in_flight_keys`) count as present for lookups meanwhile."""
         self._next_job += 1
         job.job_id = self._next_job
         blocks = []
         if self._block_pool is not None:
             blocks = [self._block_pool.blocks[block_id] for _, _, _, block_id in job.pages]
             self._block_pool.touch(blocks)
-        keys = self._in_flight_keys(job)
         self._in_flight.update(keys)
         self._pinned[job.job_id] = _PinnedJob(blocks, keys)
-
-    def _in_flight_keys(self, job: SaveJob) -> list[bytes]:
-        """Every rank's keys of a job's pages, for lookups while it runs: a rank's own load runs after
-        its own saves, in order. A page ranks share (written by one rank, read by all) is not among
-        them: it counts only once it is stored."""
-        groups = {g.index: g for g in self.layout.cacheable_groups}
-        return list({store_key(self.layout, key, groups[g], rank): None
-                     for key, g, _, _ in job.pages if groups[g].tp_replicas == 1
-                     for rank in range(self.layout.tp_size)})
 
     def _unpin(self, job_id: int, reports: int) -> None:
         pinned = self._pinned.get(job_id)
@@ -360,32 +352,24 @@ class _Scheduler:
             else:
                 del in_flight[key]
 
-    def _save_job(self, req_id, state, scheduled, computed, block_state, handoffs) -> SaveJob | None:
-        """The request's save job this step; None when it has nothing to save (a decode step: its block
-        table is not even asked for)."""
+    def _save_pages(self, req_id, state, scheduled, computed, block_state, handoffs) -> list[Page]:
+        """The request's pages to save this step (`plan.plan_save`): PAGED pages of the blocks it completed,
+        the STATE checkpoints vLLM hands off that the retention policy keeps. A step that completes no
+        block (a decode step) does not even ask for its block table."""
         full = min((computed + scheduled) // self.block_size, len(state.block_keys))
         if full <= state.saved_blocks and not handoffs:
-            return None
-        pages: list[tuple[bytes, int, int, int]] = []
+            return []
         tables = block_state.get_block_ids(req_id) if block_state is not None and full > state.saved_blocks else None
+        save = plan_save(self.layout, state.block_keys, full if tables is not None else state.saved_blocks,
+                         table=None if tables is None else dict(enumerate(tables)), start=state.saved_blocks,
+                         handoffs=handoffs, loaded=range(*state.loaded),
+                         keep=self.retention.keeper(self.layout, state.num_prompt_tokens, len(state.block_keys),
+                                                    state.junction))
         if tables is not None:
-            for g, kind in enumerate(self.kinds):
-                if kind is GroupKind.PAGED:
-                    pages += [(state.block_keys[i], g, i, tables[g][i]) for i in range(state.saved_blocks, full)]
             state.saved_blocks = full
-        for group_id, block_id, boundary in handoffs:  # STATE: exactly the blocks vLLM hands off
-            index = boundary // self.block_size - 1
-            if (self.kinds[group_id] is GroupKind.STATE and boundary % self.block_size == 0
-                    and 0 <= index < len(state.block_keys)
-                    # vLLM offers a loaded boundary again, the very block the load writes into: saving
-                    # it after a failed load would store stale bytes as this prefix's checkpoint.
-                    and not state.loaded[0] <= index < state.loaded[1]):
-                if self.retention.keeps(self.layout, state.num_prompt_tokens, index + 1, len(state.block_keys),
-                                        state.junction):
-                    pages.append((state.block_keys[index], group_id, index, block_id))
-                else:
-                    self.counters["checkpoints_not_retained"] += 1
-        return SaveJob(req_id, pages) if pages else None
+        if save.not_retained:
+            self.counters["checkpoints_not_retained"] += save.not_retained
+        return save.pages
 
     @staticmethod
     def _num_computed(scheduler_output) -> dict[str, int]:

@@ -16,7 +16,7 @@ from ..spec.vllm import check_agreement, check_tensors, from_vllm
 from ..store import shared_store
 from .jobs import Jobs
 from .offloader import Offloader
-from .plan import Page, pages_for_load, store_key, writes
+from .plan import own_pages, pages_for_load
 from .prefetch import Prefetcher
 from .transfer import make_transfer
 from .vllm_metrics import COUNTERS, KVOffloadStats
@@ -55,7 +55,6 @@ class _Worker:
         self._report_evictions = report_evictions
         self._evicted: dict[bytes, None] = {}  # filled by the threads that write the store
         self._evicted_lock = threading.Lock()
-        self._written: dict = {}
         self._stats_due = False  # a job was reported since the last stats: its counters may have moved
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -79,8 +78,6 @@ class _Worker:
         if self._report_evictions:
             store.watch_evictions(self._on_evicted)
         self.offloader = Offloader(store, layout, transfer)
-        # Group index -> group, for the groups whose pages this rank stores (one rank per set of replicas).
-        self._written = {i: g for i, g in enumerate(layout.groups) if writes(layout, g)}
         self.jobs = Jobs(self.offloader, name=f"kvoffload-tp{self.tp_rank}")
         front = store.memory_front  # prefetch fills a memory tier in front of a slower one
         budget = front.capacity // 4 if self._prefetch_budget is None and front is not None else self._prefetch_budget
@@ -146,12 +143,9 @@ class _Worker:
         """Submit this step's saves (after the forward that computed them); nothing waits here."""
         if not isinstance(meta, KVOffloadMetadata) or self.jobs is None:
             return
-        layout, written = self.offloader.layout, self._written
         for job in meta.saves:  # this rank's keys; a replicated group's pages only on its writing rank
-            pages = [Page(store_key(layout, key, written[g]), written[g], index, block)
-                     for key, g, index, block in job.pages if g in written]
             self._saving[job.req_id] += 1
-            self.jobs.submit_save((job.job_id, job.req_id), pages)
+            self.jobs.submit_save((job.job_id, job.req_id), own_pages(self.offloader.layout, job.pages))
         self._awaited.update(meta.await_saves)
 
     def _on_evicted(self, keys: list[bytes]) -> None:

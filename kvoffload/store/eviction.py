@@ -18,7 +18,19 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
+from .errors import StoreConfigError
+
 POLICIES = ("lru", "s3fifo")
+
+
+def policy_name(name: str, option: str) -> str:
+    """`name` if it names a policy, else a StoreConfigError naming `option` and the choices. The one check
+    of every eviction option (`evict=`, `lmdb_evict=`): the store constructors call it, being public API,
+    and so does the URL parser (url_config.py), which must refuse a bad URL when it is parsed -- vLLM's
+    scheduler and the connector config only parse -- and before any tier of it opens."""
+    if name not in POLICIES:
+        raise StoreConfigError(f"{option} takes {' or '.join(POLICIES)}, got {str(name)[:40]!r}")
+    return name
 
 
 class LRU:

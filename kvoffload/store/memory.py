@@ -36,7 +36,7 @@ import numpy as np
 from .base import Lease, Reservation, Store
 from .buffers import Buffer
 from .errors import EntryTooLargeError, StoreConfigError
-from .eviction import POLICIES, make_policy
+from .eviction import make_policy, policy_name
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +73,7 @@ class MemoryStore(Store):
                  chunk_bytes: int | None = None, reserve: bool | None = None, evict: str = "lru"):
         super().__init__()
         self.capacity = capacity
-        if evict not in POLICIES:
-            raise StoreConfigError(f"memory store: evict= takes {' or '.join(POLICIES)}, got {str(evict)[:40]!r}")
-        self.evict = evict
+        self.evict = policy_name(evict, "memory store: evict=")  # the one check, URLs' too (eviction.py)
         if pinned and not _cuda_present():
             raise StoreConfigError("memory store: pinned=true needs a CUDA or ROCm device (page-locking is a "
                                    "driver call); use pinned=auto or pinned=false on this machine")

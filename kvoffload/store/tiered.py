@@ -40,10 +40,9 @@ import numpy as np
 
 from .base import Lease, Reservation, Store
 from .buffers import Buffer
-from .tiered_admission import Admission
+from .tiered_admission import Admission, write_options
 from .tiered_behind import DEFAULT_BEHIND_AGE, WriteBehind, default_behind_bytes
 
-WRITE_MODES = ("behind", "through")
 READERS = 4  # threads reading the back for one acquire (a cold prefix): faults on several pages at once
 
 
@@ -61,12 +60,8 @@ class TieredStore(Store):
     def __init__(self, front: Store, back: Store, url: str | None = None, *, write: str = "behind",
                  behind_bytes: int | None = None, behind_age: float = DEFAULT_BEHIND_AGE, admit: int = 1):
         super().__init__()
-        if write not in WRITE_MODES:
-            raise ValueError(f"write must be one of {', '.join(WRITE_MODES)}, got {write!r}")
-        if admit < 1 or (admit > 1 and write != "behind"):
-            raise ValueError(f"admit must be a positive number of uses, and above 1 needs write=behind, got {admit}")
-        self.admit = admit
-        self._admission = Admission(admit, self._count)
+        write, self.admit = write_options(write, admit, "tiered store:")  # the one check, URLs' too
+        self._admission = Admission(self.admit, self._count)
         self.front, self.back, self.write = front, back, write
         self.capacity = back.capacity
         self.url = url or f"tiered://({front.url} | {back.url})"

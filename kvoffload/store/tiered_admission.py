@@ -16,7 +16,29 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from .errors import StoreConfigError
+
 ADMIT_TRACKED = 1 << 20  # keys remembered while they wait for admission (admit > 1)
+WRITE_MODES = ("behind", "through")
+MAX_ADMIT = 1000
+
+
+def write_options(write: str, admit: int | str, where: str) -> tuple[str, int]:
+    """(write, admit) if a tiered store can take them, else a StoreConfigError saying what to change
+    (`where`: the store or URL, for the message). The one check of `write=` and `admit=`: TieredStore's
+    constructor calls it, being public API, and so does the tiered:// URL parser (url_config.py), which
+    must refuse a bad URL when it is parsed -- vLLM's scheduler and the connector config only parse --
+    and before any tier of it opens. `admit` may be the URL's text: anything but a whole number from 1
+    to MAX_ADMIT is refused."""
+    if write not in WRITE_MODES:
+        raise StoreConfigError(f"{where} write= takes {' or '.join(WRITE_MODES)}, got {str(write)[:40]!r}")
+    if isinstance(admit, str) and admit.isascii() and admit.isdigit():
+        admit = int(admit)
+    if not isinstance(admit, int) or not 1 <= admit <= MAX_ADMIT:
+        raise StoreConfigError(f"{where} admit= takes a number of uses from 1 to {MAX_ADMIT}, got {str(admit)[:40]!r}")
+    if admit > 1 and write != "behind":
+        raise StoreConfigError(f"{where} admit= above 1 needs write=behind, got admit={admit} with write={write}")
+    return write, admit
 
 
 class Admission:

@@ -57,7 +57,8 @@ from typing import ClassVar
 from urllib.parse import quote, unquote, urlencode, urlsplit
 
 from .errors import StoreConfigError
-from .eviction import POLICIES
+from .eviction import policy_name
+from .tiered_admission import write_options
 from .url import StoreURL, parse_bool, parse_size, parse_url, redact_url
 
 DEFAULT_MEMORY_CAPACITY = "4GiB"
@@ -74,10 +75,7 @@ def _auto_bool(option: str | None, name: str) -> bool | None:
 
 
 def _evict(opts: dict[str, str], scheme: str, option: str = "evict") -> str:
-    name = opts.get(option, "lru").strip().lower()
-    if name not in POLICIES:
-        raise StoreConfigError(f"{scheme}:// {option}= takes {' or '.join(POLICIES)}, got {opts[option][:40]!r}")
-    return name
+    return policy_name(opts.get(option, "lru").strip().lower(), f"{scheme}:// {option}=")  # eviction.py's check
 
 
 def _query(pairs: dict) -> str:
@@ -270,9 +268,8 @@ def _tiered(parsed: StoreURL, url: str) -> TieredSpec:
     if "lmdb" not in opts and "redis" not in opts:
         raise StoreConfigError("tiered:// needs lmdb=/abs/dir and/or redis=<URL> (and optionally memory=): "
                                f"{redact_url(url)!r}")
-    write = opts.get("write", "behind").lower()
-    if write not in ("behind", "through"):
-        raise StoreConfigError(f"tiered:// write= takes behind or through, got {opts['write'][:40]!r}")
+    # write= and admit=: TieredStore's own check (tiered_admission.py), made here so a bad URL opens nothing
+    write, admit = write_options(opts.get("write", "behind").lower(), opts.get("admit", "1"), "tiered://")
     if write == "through" and ({"behind_bytes", "behind_age"} & set(opts)):
         raise StoreConfigError("tiered:// behind_bytes= and behind_age= apply to write=behind only: "
                                f"{redact_url(url)!r}")
@@ -286,14 +283,6 @@ def _tiered(parsed: StoreURL, url: str) -> TieredSpec:
         if not 0 < behind_age < math.inf:
             raise StoreConfigError(f"tiered:// behind_age= takes a positive number of seconds, got "
                                    f"{opts['behind_age'][:40]!r}")
-    admit = 1
-    if "admit" in opts:
-        if not opts["admit"].isdigit() or not 1 <= int(opts["admit"]) <= 1000:
-            raise StoreConfigError("tiered:// admit= takes a number of uses from 1 to 1000, got "
-                                   f"{opts['admit'][:40]!r}")
-        if write == "through" and int(opts["admit"]) > 1:
-            raise StoreConfigError(f"tiered:// admit= above 1 needs write=behind: {redact_url(url)!r}")
-        admit = int(opts["admit"])
     redis = None
     if "redis" in opts:
         inner = parse_url(opts["redis"])

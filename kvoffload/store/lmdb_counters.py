@@ -25,9 +25,12 @@ in its index (`newest`) and the small queue's charges (`small_bytes`)."""
 from __future__ import annotations
 
 import struct
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import xxhash
+
+if TYPE_CHECKING:
+    from lmdb import _Database as Database  # py-lmdb's stubs give the database handle's type a private name
 
 INDEX_BYTES = 512  # an entry's records in the three B-trees (charged, with the payload's pages)
 _U64 = struct.Struct(">Q")
@@ -86,10 +89,10 @@ class Counters:
 
 
 class Databases(NamedTuple):
-    data: object
-    meta: object
-    lru: object
-    info: object
+    data: Database
+    meta: Database
+    lru: Database
+    info: Database
 
 
 def write(txn, policy, counts: Counters) -> None:
@@ -108,11 +111,14 @@ def load(txn, policy, max_entry_bytes: int | None = None,
     open) adds the invariants to the checks; `force` recounts whatever the records say."""
     dbs = policy.dbs
     names = (TICK, USED, ENTRIES, SMALL) if policy.small_queue else (TICK, USED, ENTRIES)
-    stored, bad = {}, {}
+    stored: dict[bytes, int] = {}  # the sound records
+    bad: dict[bytes, str] = {}  # the others: name -> why
     for name in names:
-        stored[name], why = decode(name, txn.get(name, db=dbs.info))
-        if why:
+        value, why = decode(name, txn.get(name, db=dbs.info))
+        if why is not None:
             bad[name] = why
+        elif value is not None:
+            stored[name] = value
     if bad and set(bad.values()) == {"missing"} and not txn.stat(dbs.meta)["entries"] \
             and not txn.stat(dbs.data)["entries"]:
         counts = Counters(**{k: stored.get(n) or 0 for k, n in (("tick", TICK), ("used", USED), ("small", SMALL),
@@ -134,7 +140,7 @@ def load(txn, policy, max_entry_bytes: int | None = None,
     return counts, rebuilt
 
 
-def _implausible(txn, policy, stored: dict, max_entry_bytes: int) -> dict:
+def _implausible(txn, policy, stored: dict[bytes, int], max_entry_bytes: int) -> dict[bytes, str]:
     """The records (name -> why) that sound records cannot be, judged cheaply from the entries."""
     bad, psize = {}, policy.psize
     entries, used = stored[ENTRIES], stored[USED]

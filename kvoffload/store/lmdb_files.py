@@ -35,7 +35,8 @@ from typing import NamedTuple
 import lmdb
 
 from ..flock import flock_within
-from . import entry, lmdb_counters as counters
+from . import entry
+from . import lmdb_counters as counters
 from .errors import IncompatibleStoreError, StoreConfigError
 from .eviction import POLICIES
 from .lmdb_lru import LRUPolicy
@@ -172,7 +173,8 @@ class _Opener:
     def __init__(self, path: str, capacity: int, evict: str, max_readers: int, count):
         self.path, self.configured_capacity, self.capacity, self.evict = path, capacity, capacity, evict
         self._max_readers, self._count = max_readers, count
-        self._env = self.policy = None
+        self._env: lmdb.Environment | None = None
+        self.policy: Policy | None = None
 
     def open(self) -> Opened:
         users = os.open(self._file(USERS_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
@@ -187,7 +189,9 @@ class _Opener:
             self._close_env()
             os.close(users)
             raise
-        return Opened(self._env, self.policy, self.capacity, users)
+        env, policy = self._env, self.policy
+        assert env is not None and policy is not None  # `_open` set both, or raised
+        return Opened(env, policy, self.capacity, users)
 
     def _close_env(self) -> None:
         if self._env is not None:
@@ -247,10 +251,11 @@ class _Opener:
             committed = (info["last_pgno"] + 1) * self._psize
             if size and size < committed:  # cut short: reads past its end would kill the process
                 raise _Damaged(f"{size} bytes on disk, {committed} committed")
-            self._back_map(info["map_size"], max(committed, size), alone)
-            self._data, self._meta, self._lru, self._info = (env.open_db(n) for n in (b"data", b"meta", b"lru", b"info"))
+            self._back_map(env, info["map_size"], max(committed, size), alone)
+            self._data, self._meta, self._lru, self._info = (env.open_db(n)
+                                                             for n in (b"data", b"meta", b"lru", b"info"))
             self._dbs = counters.Databases(self._data, self._meta, self._lru, self._info)
-            self._check_format(alone)
+            self._check_format(env, alone)
         except _DAMAGE as exc:
             self._close_env()
             raise _Damaged(str(exc)) from None
@@ -268,7 +273,7 @@ class _Opener:
         self._disk_full(f"the filesystem has {max(room, 0) >> 20} MiB to spare for a {target >> 20} MiB map")
         return min(cut, target)
 
-    def _back_map(self, map_size: int, floor: int, alone: bool) -> None:
+    def _back_map(self, env: lmdb.Environment, map_size: int, floor: int, alone: bool) -> None:
         """Allocate the map's whole file range (halving the growth on ENOSPC); the capacity follows."""
         size = map_size
         while not _allocate(self._file(DATA_FILE), size):
@@ -279,7 +284,7 @@ class _Opener:
             size = floor + gap
         if size < map_size:
             self._disk_full(f"only {size >> 20} MiB of a {map_size >> 20} MiB map could be reserved")
-            self._env.set_mapsize(size)
+            env.set_mapsize(size)
         self.capacity = min(self.configured_capacity, capacity_for_map(size))
         if self.capacity < self.configured_capacity:
             log.warning("LMDB store %s: capacity %d bytes instead of %d (the data file is %d bytes)", self.path,
@@ -292,11 +297,11 @@ class _Opener:
         log.warning("LMDB store %s: disk full: %s; the store holds less", self.path, why)
         self._count(disk_full=1)
 
-    def _check_format(self, alone: bool) -> None:
+    def _check_format(self, env: lmdb.Environment, alone: bool) -> None:
         """The format version (a damaged record is a damaged file), the eviction policy, the capacity
         record, and the counters (lmdb_counters.py): checked, and rebuilt from the entries where they
         fail, are implausible, or were counted under another policy or accounting."""
-        with self._env.begin(write=True, buffers=True) as txn:
+        with env.begin(write=True, buffers=True) as txn:
             stored = txn.get(b"format_version", db=self._info)
             if stored is None:
                 if txn.stat(self._data)["entries"]:
@@ -314,7 +319,7 @@ class _Opener:
             self.policy = _POLICIES[self.evict](self._dbs, self._psize, self.capacity)
             started = time.perf_counter()
             _, rebuilt = counters.load(txn, self.policy, force=recount,
-                                       max_entry_bytes=capacity_for_map(self._env.info()["map_size"]) // ENTRY_FRACTION)
+                                       max_entry_bytes=capacity_for_map(env.info()["map_size"]) // ENTRY_FRACTION)
             txn.put(b"accounting", ACCOUNTING, db=self._info)
             txn.put(b"capacity", _U64.pack(self.configured_capacity), db=self._info)
         self._count(counters_rebuilt=len(rebuilt))

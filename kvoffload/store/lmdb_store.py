@@ -57,14 +57,22 @@ from concurrent.futures import ThreadPoolExecutor
 
 import lmdb
 
-from . import entry, lmdb_counters as counters
+from . import entry
+from . import lmdb_counters as counters
 from .base import Store
 from .buffers import Buffer
 from .errors import StoreConfigError
 from .eviction import POLICIES
 from .lmdb_counters import Counters, entry_charge
-from .lmdb_files import (ENTRY_FRACTION, MIN_CAPACITY, capacity_for_map, map_size_for, open_files,
-                         prepare_directory, read_stats)
+from .lmdb_files import (
+    ENTRY_FRACTION,
+    MIN_CAPACITY,
+    capacity_for_map,
+    map_size_for,
+    open_files,
+    prepare_directory,
+    read_stats,
+)
 from .lmdb_policy import Touches
 
 __all__ = ["LMDBStore", "MAX_KEY_BYTES", "MIN_CAPACITY", "capacity_for_map", "entry_charge", "map_size_for",
@@ -95,8 +103,8 @@ class LMDBStore(Store):
             raise StoreConfigError(f"LMDB store: evict= takes {' or '.join(POLICIES)}, got {str(evict)[:40]!r}")
         self.evict = evict  # the file's own, once open (lmdb_files.py)
         self._count(checksum_failures=0, read_errors=0, counters_rebuilt=0)
-        self._env = None
-        self._users = None
+        self._env: lmdb.Environment | None = None
+        self._users: int | None = None  # `users.lock`'s descriptor (lmdb_files.py)
         self.path = path
         self.configured_capacity = self.capacity = capacity
         self.url = url or f"lmdb://{path}?capacity={capacity}" + ("&evict=s3fifo" if evict == "s3fifo" else "")
@@ -108,6 +116,13 @@ class LMDBStore(Store):
                                                                          self._count)
         self.evict = self._policy.name
         self._data, self._meta, self._lru, self._info = self._policy.dbs
+
+    @property
+    def _live_env(self) -> lmdb.Environment:
+        """The open environment; using a closed store is the caller's bug, reported as such."""
+        if self._env is None:
+            raise RuntimeError(f"LMDB store {self.path} is closed")
+        return self._env
 
     # -- accounting ---------------------------------------------------------------------------------
     @property
@@ -148,7 +163,8 @@ class LMDBStore(Store):
 
     def _chunks(self, views) -> list[list[int]]:
         """Consecutive runs charged at most `max_entry_bytes` (one write transaction each)."""
-        chunks, size = [], self.max_entry_bytes
+        chunks: list[list[int]] = []
+        size = self.max_entry_bytes
         for i, (_, view) in enumerate(views):
             charge = self._policy.charge(view.nbytes)
             if size + charge > self.max_entry_bytes:
@@ -169,7 +185,7 @@ class LMDBStore(Store):
             events: list = []
             victims: list[bytes] = []
             try:
-                with self._env.begin(write=True, buffers=True) as txn:
+                with self._live_env.begin(write=True, buffers=True) as txn:
                     counts = self._write_chunk(txn, views, chunk, events, victims)
             except lmdb.MapFullError:
                 self._touches.give_back()
@@ -226,7 +242,7 @@ class LMDBStore(Store):
         the pages those evictions freed (see the module docstring). "evicted", "settled" (nothing to
         evict: the commit alone releases pages freed just before), or None (nothing left to free)."""
         try:
-            with self._env.begin(write=True, buffers=True) as txn:
+            with self._live_env.begin(write=True, buffers=True) as txn:
                 counts = self._read_counters(txn)
                 self._apply_touches(txn, counts)  # the order as read so far
                 need = sum(self._policy.charge(views[i][1].nbytes) for i in chunk)
@@ -251,7 +267,7 @@ class LMDBStore(Store):
         if not events:
             return "settled" if extra <= 0 else None
         try:
-            with self._env.begin(write=True, buffers=True) as txn:  # the write that frees them for reuse
+            with self._live_env.begin(write=True, buffers=True) as txn:  # the write that frees them for reuse
                 self._put_counters(txn, self._read_counters(txn))
         except lmdb.Error as exc:
             self._warn_once("evict", "LMDB store %s: cannot evict: %s", self.path, exc)
@@ -285,7 +301,7 @@ class LMDBStore(Store):
         if not self._touches or not self._write_lock.acquire(blocking=wait):
             return
         try:
-            with self._env.begin(write=True, buffers=True) as txn:
+            with self._live_env.begin(write=True, buffers=True) as txn:
                 counts = self._read_counters(txn)
                 self._apply_touches(txn, counts)
                 self._put_counters(txn, counts)
@@ -340,7 +356,7 @@ class LMDBStore(Store):
         bad: dict[bytes, str] = {}
         nbytes = 0
         try:
-            with self._env.begin(buffers=True) as txn:
+            with self._live_env.begin(buffers=True) as txn:
                 for i in indices:
                     key = keys[i]
                     meta = txn.get(key, db=self._meta)
@@ -351,6 +367,7 @@ class LMDBStore(Store):
                     if problem:
                         bad[key] = problem
                         continue
+                    assert payload is not None  # verify() passes no missing payload
                     consume(i, payload)
                     served.append(i)
                     nbytes += payload.nbytes
@@ -364,7 +381,7 @@ class LMDBStore(Store):
         if self.readers < 2 or len(keys) < 2:
             return [range(len(keys))]
         try:
-            with self._env.begin(buffers=True) as txn:
+            with self._live_env.begin(buffers=True) as txn:
                 sizes = [getattr(entry.decode_header(meta), "length", 0) if (meta := txn.get(k, db=self._meta))
                          else 0 for k in keys]
         except lmdb.Error:
@@ -385,7 +402,8 @@ class LMDBStore(Store):
         """The reader threads (made on first use, again in a forked child: threads do not survive a fork)."""
         with self._pool_lock:
             if self._pool is None or self._pool[0] != os.getpid():
-                self._pool = (os.getpid(), ThreadPoolExecutor(self.readers - 1, thread_name_prefix="kvoffload-lmdb-read"))
+                self._pool = (os.getpid(),
+                              ThreadPoolExecutor(self.readers - 1, thread_name_prefix="kvoffload-lmdb-read"))
             return self._pool[1]
 
     def _drop_bad(self, bad: dict[bytes, str]) -> None:
@@ -399,7 +417,7 @@ class LMDBStore(Store):
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         try:
-            with self._env.begin(buffers=True) as txn:
+            with self._live_env.begin(buffers=True) as txn:
                 return [txn.get(k, db=self._meta) is not None for k in keys]
         except lmdb.Error as exc:
             self._warn_once("read", "LMDB store %s: lookup failed: %s", self.path, exc)
@@ -411,7 +429,7 @@ class LMDBStore(Store):
 
     def _delete(self, keys: Sequence[bytes]) -> int:
         try:
-            with self._write_lock, self._env.begin(write=True, buffers=True) as txn:
+            with self._write_lock, self._live_env.begin(write=True, buffers=True) as txn:
                 counts = self._read_counters(txn)
                 removed = [self._policy.remove(txn, k, counts) for k in keys]
                 self._put_counters(txn, counts)
@@ -423,7 +441,7 @@ class LMDBStore(Store):
     def claim(self, owner: str) -> None:
         """Recorded in the file: every process and later run sees who uses this directory."""
         try:
-            with self._write_lock, self._env.begin(write=True) as txn:
+            with self._write_lock, self._live_env.begin(write=True) as txn:
                 txn.put(_OWNER + owner.encode(), b"", db=self._info)
         except lmdb.Error as exc:
             self._warn_once("claim", "LMDB store %s: cannot record namespace %r: %s", self.path, owner, exc)
@@ -432,7 +450,7 @@ class LMDBStore(Store):
         """Every entry, in one transaction (readers keep their snapshot), if no other namespace ever
         claimed this directory; the byte accounting restarts at zero."""
         try:
-            with self._write_lock, self._env.begin(write=True, buffers=True) as txn:
+            with self._write_lock, self._live_env.begin(write=True, buffers=True) as txn:
                 cursor = txn.cursor(db=self._info)
                 owners = set()
                 if cursor.set_range(_OWNER):
@@ -461,14 +479,14 @@ class LMDBStore(Store):
 
     def _usage(self) -> dict[str, int]:
         try:
-            with self._env.begin(buffers=True) as txn:  # a damaged record reads -1 (the next write rebuilds it)
+            with self._live_env.begin(buffers=True) as txn:  # a damaged record reads -1 (the next write rebuilds it)
                 used, small, entries = (counters.decode(name, txn.get(name, db=self._info))[0]
                                         for name in (counters.USED, counters.SMALL, counters.ENTRIES))
                 entries = txn.stat(self._meta)["entries"] if entries is None else entries
         except lmdb.Error:
             entries = used = small = None
         used, small, entries = (-1 if v is None else v for v in (used, small, entries))
-        usage = {"entries": entries, "bytes_used": used, "map_size": self._env.info()["map_size"],
+        usage = {"entries": entries, "bytes_used": used, "map_size": self._live_env.info()["map_size"],
                  "configured_capacity": self.configured_capacity}
         if self._policy.small_queue:
             usage["small_bytes"] = small  # S3-FIFO's small queue (the rest is main)

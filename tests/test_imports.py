@@ -3,6 +3,8 @@
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CORE = ("kvoffload.spec", "kvoffload.store", "kvoffload.connectors")
@@ -64,3 +66,15 @@ def test_the_core_never_imports_up():
     up = {(name, target) for name, targets in _graph().items() if name.startswith(CORE)
           for target in targets if target.startswith(ABOVE)}
     assert not up, f"the core imports the layers above it: {sorted(up)}"
+
+
+def test_the_vllm_plugin_imports_nothing_heavy():
+    """vLLM imports its plugins in every process: the plugin module loads no store stack (numpy, lmdb,
+    xxhash), no torch and no vLLM until `register()` runs; `kvoffload`'s names still import on use."""
+    code = ("import sys, kvoffload.connectors.vllm_plugin; "
+            "print(sorted(m for m in ('numpy', 'lmdb', 'xxhash', 'torch', 'vllm') if m in sys.modules)); "
+            "import kvoffload, kvoffload.connectors; kvoffload.open_store, kvoffload.connectors.Offloader; "
+            "print('numpy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["[]", "True"], out.stdout

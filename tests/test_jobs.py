@@ -204,9 +204,9 @@ def test_wait_results_returns_with_the_first_result_or_at_once_when_idle():
 
 
 def test_a_long_host_load_is_read_in_slices_and_stays_byte_exact():
-    """A background host load hands the GIL back every SAVE_SLICE pages, as a save does: the engine's
+    """A background host load hands the GIL back every STORE_CALL_PAGES pages, as a save does: the engine's
     thread never waits a whole switch interval behind a long prefix."""
-    from kvoffload.connectors.jobs import SAVE_SLICE
+    from kvoffload.connectors.plan import STORE_CALL_PAGES
 
     cache, store, offloader = _setup(blocks=96)
     jobs = Jobs(offloader)
@@ -221,7 +221,7 @@ def test_a_long_host_load_is_read_in_slices_and_stays_byte_exact():
         jobs.submit_load("l", keys, 0, n, target)
         _drained(jobs)
         assert [r.ok for r in jobs.poll() if r.job_id == "l"] == [True]
-        assert len(calls) > 1 and max(calls) <= SAVE_SLICE, calls
+        assert len(calls) > 1 and max(calls) <= STORE_CALL_PAGES, calls
         assert _same(offloader, source, target, n)
     finally:
         jobs.close()

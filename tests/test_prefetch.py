@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from kvoffload.connectors.plan import STORE_CALL_PAGES as SLICE
 from kvoffload.connectors.plan import Page
-from kvoffload.connectors.prefetch import SLICE, Prefetcher
+from kvoffload.connectors.prefetch import Prefetcher
 from kvoffload.store import open_store
 
 

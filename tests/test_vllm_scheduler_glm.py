@@ -600,7 +600,7 @@ def test_reset_cache_waits_for_saves_and_for_the_workers_to_clear(tmp_path):
     assert store.put(b"stale", b"x" * 100)
     assert connector.reset_cache() is True
     assert store.get(b"stale") is None
-    scheduler._store_presence = lambda keys: [True] * len(keys)  # say a late write landed after the clear
+    scheduler._present = lambda keys, lookup=True: [True] * len(keys)  # say a late write landed after the clear
     probe = engine.add("probe", _prompt(8))
     assert connector.get_num_new_matched_tokens(probe, 0) == (0, False)
     engine.step()

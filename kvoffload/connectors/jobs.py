@@ -21,11 +21,9 @@ from dataclasses import dataclass
 
 from ..threads import start_background
 from .offloader import Offloader
-from .plan import BlockTable, Page
+from .plan import STORE_CALL_PAGES, BlockTable, Page
 
 log = logging.getLogger(__name__)
-
-SAVE_SLICE = 16  # pages per store call in a host save or load job (see Jobs._save)
 
 
 @dataclass(frozen=True)
@@ -128,16 +126,16 @@ class Jobs:
                 self._cond.notify_all()
 
     def _load(self, job_id, block_keys, start, end, block_ids, fence) -> JobResult:
-        """Host copies in slices of SAVE_SLICE pages, as saves (see `_save`)."""
-        step = None if self.offloader.transfer.gpu else SAVE_SLICE
+        """Host copies in slices of STORE_CALL_PAGES pages, as saves (see `_save`)."""
+        step = None if self.offloader.transfer.gpu else STORE_CALL_PAGES
         loaded = self.offloader.load(block_keys, start, end, block_ids, after=fence, step=step)
         return JobResult(job_id, "load", loaded.ok, missing=loaded.missing_keys)
 
     def _save(self, job_id, pages, fence) -> JobResult:
-        """Host copies go in slices of SAVE_SLICE pages with the GIL handed back between them: the
+        """Host copies go in slices of STORE_CALL_PAGES pages with the GIL handed back between them: the
         engine's thread, waiting for it, runs its step instead of waiting out the switch interval
         behind a long save. A device transfer waits on its copies without the GIL: one call, pipelined."""
-        step = (len(pages) or 1) if self.offloader.transfer.gpu else SAVE_SLICE
+        step = (len(pages) or 1) if self.offloader.transfer.gpu else STORE_CALL_PAGES
         written: list[Page] = []
         for at in range(0, len(pages), step):
             written += self.offloader.save_pages(pages[at:at + step], after=fence)

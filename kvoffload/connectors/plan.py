@@ -33,6 +33,11 @@ BlockTable = Sequence[int] | Mapping[int, Sequence[int]]
 
 G = TypeVar("G", bound=GroupView)
 
+# Pages per store call in a background job (a host save or load, a prefetch): between two calls the job
+# hands the GIL back (the engine's thread, waiting for it, runs its step) and a prefetch sees whether it
+# was cancelled.
+STORE_CALL_PAGES = 16
+
 
 @dataclass(frozen=True, slots=True)
 class Page(Generic[G]):

@@ -18,11 +18,9 @@ from collections.abc import Iterable, Sequence
 
 from ..store import Store
 from ..threads import start_background
-from .plan import Page
+from .plan import STORE_CALL_PAGES, Page
 
 log = logging.getLogger(__name__)
-
-SLICE = 16  # pages per store call: a cancelled job stops within one slice
 
 
 class Prefetcher:
@@ -103,10 +101,10 @@ class Prefetcher:
 
     def _prefetch(self, req_id: str, pages: list[Page]) -> None:
         self.counters["prefetch_jobs"] += 1
-        for at in range(0, len(pages), SLICE):
+        for at in range(0, len(pages), STORE_CALL_PAGES):  # a cancelled job stops within one slice
             with self._cond:
                 if self._closed or req_id not in self._charged:  # scheduled or gone meanwhile
                     self.counters["prefetch_cancelled"] += 1
                     return
-            moved = self.store.prefetch([p.key for p in pages[at:at + SLICE]])
+            moved = self.store.prefetch([p.key for p in pages[at:at + STORE_CALL_PAGES]])
             self.counters["prefetched_pages"] += moved

@@ -138,8 +138,7 @@ class _Scheduler:
     def enable_events(self, hash_block_size: int) -> None:
         """Record BlockStored / BlockRemoved events for vLLM's publisher (`vllm_events`)."""
         medium = medium_for(self._spec.scheme)
-        self._events = KVEvents(self.layout, medium, hash_block_size,
-                                lambda keys: self._store_presence(keys, touch=False))
+        self._events = KVEvents(self.layout, medium, hash_block_size, lambda keys: self._present(keys, lookup=False))
 
     def take_events(self) -> list:
         return self._events.take() if self._events is not None else []
@@ -150,19 +149,22 @@ class _Scheduler:
         may reopen it with its layout fingerprint (`shared_store`); None for a memory:// store."""
         return None if self._spec.process_local else shared_store(self._store_url)
 
-    def _stored(self, keys: list[bytes]) -> list[bool]:
-        return self._store.contains_many(keys)
-
-    def _store_presence(self, keys: list[bytes], touch: bool = True) -> list[bool]:
-        """In the mirrored memory tiers (`touch`: a lookup, refreshing recency as the load will) or in
-        the store this process opens."""
+    def _present(self, keys: list[bytes], lookup: bool = True) -> list[bool]:
+        """Whether each page is in the mirrored memory tiers or the store this process opens. For a
+        `lookup` (a hit or a prefetch, a load to follow) also a page a save job in flight writes (the load
+        runs after it, in order), and the mirror's recency refreshed as the load will; otherwise (KV
+        events, evictions) only what is stored now, nothing touched."""
+        store = self._store
         if self._mirror is None:
-            return self._stored(keys)
-        found = self._mirror.contains_many(keys) if touch else [k in self._mirror.sizes for k in keys]
-        rest = [i for i, there in enumerate(found) if not there]
-        if rest and self._store is not None:
-            for i, there in zip(rest, self._stored([keys[i] for i in rest])):
-                found[i] = there
+            found = store.contains_many(keys)
+        else:
+            found = self._mirror.contains_many(keys) if lookup else [k in self._mirror.sizes for k in keys]
+            rest = [i for i, there in enumerate(found) if not there]
+            if rest and store is not None:
+                for i, there in zip(rest, store.contains_many([keys[i] for i in rest])):
+                    found[i] = there
+        if lookup and self._in_flight:
+            found = [there or key in self._in_flight for key, there in zip(keys, found)]
         return found
 
     def _gone(self, keys: set[bytes]) -> set[bytes]:
@@ -170,16 +172,11 @@ class _Scheduler:
         page a tiered:// front evicted may be on disk, one LMDB evicted may have been written again."""
         if not keys or self._store is None:
             return keys
-        ordered = list(keys)
-        return {key for key, there in zip(ordered, self._stored(ordered)) if not there}
+        ordered = list(keys)  # none of them in the mirror: it let them go, or there is none
+        return {key for key, there in zip(ordered, self._present(ordered, lookup=False)) if not there}
 
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
         self._block_pool = gpu_block_pool
-
-    def _presence(self, keys: list[bytes]) -> list[bool]:
-        """Stored, or written by a save job in flight (the load of them runs after it, in order)."""
-        stored = self._store_presence(keys)
-        return [there or key in self._in_flight for key, there in zip(keys, stored)]
 
     def has_pending_block_frees(self) -> bool:
         return bool(self._pinned)  # a save job's report will give blocks back: no need to preempt
@@ -220,7 +217,7 @@ class _Scheduler:
             if state.load_failed or self._uncleared > 0:
                 continue
             try:
-                end = hit_blocks(self.layout, state.block_keys, state.num_prompt_tokens, self._presence)
+                end = hit_blocks(self.layout, state.block_keys, state.num_prompt_tokens, self._present)
             except Exception as exc:  # noqa: BLE001 - a broken store: no prefetch; its lookup will say more
                 log.debug("KVOffloadConnector prefetch lookup failed: %s", exc)
                 continue
@@ -238,7 +235,7 @@ class _Scheduler:
             return 0, False
         try:  # every TP rank's pages (the layout knows tp_size and which groups ranks share)
             total, junction = hit_and_junction(self.layout, state.block_keys, state.num_prompt_tokens,
-                                               self._presence, have)
+                                               self._present, have)
             state.junction = max(state.junction, junction)
         except Exception as exc:  # noqa: BLE001 - a broken store is a miss, never a failed engine
             log.error("KVOffloadConnector lookup failed: %s", exc, exc_info=True)

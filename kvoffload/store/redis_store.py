@@ -1,10 +1,6 @@
 """A tier shared by many hosts: Redis, standalone or Cluster (sharding, failover), through redis-py.
-
-    redis://[user:password@]host:port/db?capacity=...&namespace=...&timeout=2
-    rediss://...                                   TLS (ssl_ca_certs=, ssl_certfile=, ssl_keyfile=,
-                                                   ssl_cert_reqs=required|optional|none, passed through)
-    redis+cluster://[user:password@]host:port,host:port/?...   seed nodes of a Redis Cluster
-    rediss+cluster://...                           the same over TLS
+Its URLs (redis://, rediss:// with TLS, redis+cluster:// and rediss+cluster:// naming seed nodes) and
+their options: url_config.py's docstring.
 
 Keys: `kvoffload:<namespace>:` + the page key. Page keys are chained from the model's identity (the
 runner's layout fingerprint, vLLM's model/cache identity) and carry the TP rank where pages are

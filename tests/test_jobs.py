@@ -56,10 +56,10 @@ def test_a_load_after_a_save_finds_its_pages_byte_exact():
     cache, store, offloader = _setup()
     jobs = Jobs(offloader)
     keys, source, target = _keys("a", 6), list(range(0, 6)), list(range(40, 46))
-    jobs.submit_save("s", _save_pages(offloader, keys, source))
+    jobs.submit_save(1, "s", _save_pages(offloader, keys, source))
     jobs.submit_load("l", keys, 0, 6, target)  # queued behind the save: it must see the pages
     _drained(jobs)
-    results = {r.job_id: r for r in jobs.poll()}
+    results = {r.req_id: r for r in jobs.poll()}
     assert results["s"].ok and len(results["s"].written) == len(_save_pages(offloader, keys, source))
     assert results["l"].ok and not results["l"].missing
     assert _same(offloader, source, target, 6)
@@ -78,9 +78,9 @@ def test_failures_are_results_never_exceptions():
     store.read_many = broken
     store.contains_many = broken
     jobs.submit_load("broken", _keys("none", 2), 0, 2, [60, 61])
-    jobs.submit_save("broken-save", _save_pages(offloader, _keys("b", 2), [0, 1]))
+    jobs.submit_save(1, "broken-save", _save_pages(offloader, _keys("b", 2), [0, 1]))
     _drained(jobs)
-    results = {r.job_id: r for r in jobs.poll()}
+    results = {r.req_id: r for r in jobs.poll()}
     assert not results["missing"].ok and results["missing"].missing
     assert not results["broken"].ok and results["broken"].missing
     assert results["broken-save"].written == ()
@@ -94,7 +94,7 @@ def test_close_finishes_queued_saves():
     cache, store, offloader = _setup()
     jobs = Jobs(offloader)
     for n in range(5):
-        jobs.submit_save(n, _save_pages(offloader, _keys(f"c{n}", 4), list(range(4))))
+        jobs.submit_save(n, f"c{n}", _save_pages(offloader, _keys(f"c{n}", 4), list(range(4))))
     jobs.close()
     assert all(store.contains_many([p.key for p in _save_pages(offloader, _keys(f"c{n}", 4), list(range(4)))])
                for n in range(5))
@@ -119,7 +119,7 @@ def test_threads_saving_loading_and_evicting_give_byte_exact_pages():
                 if time.monotonic() > deadline:
                     break
                 keys, source, target = _keys(f"t{t}/{n}", 4), list(range(base, base + 4)), list(range(base + 20, base + 24))
-                jobs.submit_save(f"s{t}/{n}", _save_pages(offloader, keys, source))
+                jobs.submit_save(n, f"s{t}/{n}", _save_pages(offloader, keys, source))
                 jobs.submit_load(f"l{t}/{n}", keys, 0, 4, target)
                 with lock:
                     submitted[f"l{t}/{n}"] = (source, target)
@@ -129,9 +129,9 @@ def test_threads_saving_loading_and_evicting_give_byte_exact_pages():
                         submitted.setdefault("results", []).append(result)
                 with lock:
                     for result in submitted["results"]:
-                        if result.kind == "load" and result.ok and result.job_id.startswith(f"l{t}/"):
-                            src, dst = submitted[result.job_id]
-                            assert _same(offloader, src, dst, 4), result.job_id
+                        if result.kind == "load" and result.ok and result.req_id.startswith(f"l{t}/"):
+                            src, dst = submitted[result.req_id]
+                            assert _same(offloader, src, dst, 4), result.req_id
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             errors.append(exc)
 
@@ -156,7 +156,7 @@ def test_threads_saving_loading_and_evicting_give_byte_exact_pages():
     loads = [r for r in results if r.kind == "load"]
     for result in loads:
         if result.ok:
-            assert _same(offloader, *submitted[result.job_id], 4), result.job_id
+            assert _same(offloader, *submitted[result.req_id], 4), result.req_id
     assert loads and any(r.ok for r in loads)
     jobs.close()
 
@@ -174,7 +174,7 @@ def test_a_store_smaller_than_a_page_is_said_once_and_saves_skip_quietly(tmp_pat
         jobs = Jobs(offloader)
         for round in range(3):
             keys = _keys(f"r{round}", 4)
-            jobs.submit_save(round, _save_pages(offloader, keys, list(range(4))))
+            jobs.submit_save(round, f"r{round}", _save_pages(offloader, keys, list(range(4))))
         _drained(jobs)
         results = jobs.poll()
         jobs.close()
@@ -196,9 +196,9 @@ def test_wait_results_returns_with_the_first_result_or_at_once_when_idle():
         started = time.monotonic()
         assert jobs.wait_results(5.0) is False and time.monotonic() - started < 1.0, "nothing pending: no wait"
         keys = _keys("w", 4)
-        jobs.submit_save("s", _save_pages(offloader, keys, list(range(4))))
+        jobs.submit_save(1, "s", _save_pages(offloader, keys, list(range(4))))
         assert jobs.wait_results(WATCHDOG_S) is True
-        assert [r.job_id for r in jobs.poll()] == ["s"]
+        assert [r.req_id for r in jobs.poll()] == ["s"]
     finally:
         jobs.close()
 
@@ -213,14 +213,14 @@ def test_a_long_host_load_is_read_in_slices_and_stays_byte_exact():
     try:
         n = 40
         keys, source, target = _keys("slice", n), list(range(n)), list(range(48, 48 + n))
-        jobs.submit_save("s", _save_pages(offloader, keys, source))
+        jobs.submit_save(1, "s", _save_pages(offloader, keys, source))
         _drained(jobs)
         calls = []
         read_many = store.read_many
         store.read_many = lambda ks, consume: (calls.append(len(ks)), read_many(ks, consume))[1]
         jobs.submit_load("l", keys, 0, n, target)
         _drained(jobs)
-        assert [r.ok for r in jobs.poll() if r.job_id == "l"] == [True]
+        assert [r.ok for r in jobs.poll() if r.req_id == "l"] == [True]
         assert len(calls) > 1 and max(calls) <= STORE_CALL_PAGES, calls
         assert _same(offloader, source, target, n)
     finally:

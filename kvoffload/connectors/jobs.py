@@ -18,6 +18,7 @@ import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ..threads import start_background
 from .offloader import Offloader
@@ -26,13 +27,28 @@ from .plan import STORE_CALL_PAGES, BlockTable, Page
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class JobResult:
-    job_id: object  # the caller's id
-    kind: str  # "load" or "save"
-    ok: bool  # load: every page restored; save: it ran (some pages may have been dropped)
-    written: tuple[Page, ...] = ()  # save: the pages now in the store
-    missing: tuple[bytes, ...] = ()  # load: keys of the pages that did not arrive
+@dataclass(frozen=True, slots=True)
+class LoadDone:
+    """A load job's result."""
+
+    req_id: str  # the request whose blocks it restored
+    ok: bool  # every page restored
+    missing: tuple[bytes, ...] = ()  # keys of the pages that did not arrive
+    kind: ClassVar[str] = "load"
+
+
+@dataclass(frozen=True, slots=True)
+class SaveDone:
+    """A save job's result."""
+
+    job_id: int  # the caller's id of the job (vLLM: the scheduler's, which unpins its blocks then)
+    req_id: str  # the request whose pages it saved
+    ok: bool  # it ran (some pages may have been dropped)
+    written: tuple[Page, ...] = ()  # the pages now in the store
+    kind: ClassVar[str] = "save"
+
+
+JobResult = LoadDone | SaveDone
 
 
 class Jobs:
@@ -47,16 +63,19 @@ class Jobs:
         _live.add(self)
 
     # -- submission (the engine's thread) ------------------------------------------------------------
-    def submit_load(self, job_id, block_keys: Sequence[bytes], start: int, end: int, block_ids: BlockTable) -> None:
+    def submit_load(self, req_id: str, block_keys: Sequence[bytes], start: int, end: int,
+                    block_ids: BlockTable) -> None:
+        """Restore request `req_id`'s blocks [start, end) (reported as a `LoadDone`)."""
         fence = self.offloader.transfer.fence()
-        self._submit(("load", job_id, (list(block_keys), start, end, block_ids, fence)))
+        self._submit((LoadDone(req_id, False), (list(block_keys), start, end, block_ids, fence)))
 
-    def submit_save(self, job_id, pages: Sequence[Page]) -> None:
-        """Save pages placed at their physical blocks (`Page.block`)."""
+    def submit_save(self, job_id: int, req_id: str, pages: Sequence[Page]) -> None:
+        """Save request `req_id`'s pages placed at their physical blocks (`Page.block`), reported as a
+        `SaveDone` carrying `job_id`."""
         fence = self.offloader.transfer.fence()
-        self._submit(("save", job_id, (list(pages), fence)))
+        self._submit((SaveDone(job_id, req_id, False), (list(pages), fence)))
 
-    def _submit(self, job) -> None:
+    def _submit(self, job: tuple[JobResult, tuple]) -> None:
         with self._cond:
             if self._closed:
                 raise RuntimeError("kvoffload jobs: submitted after close")
@@ -113,25 +132,25 @@ class Jobs:
                     self._cond.wait()
                 if self._closed and not self._queue:
                     return
-                kind, job_id, args = self._queue.popleft()
+                failed, args = self._queue.popleft()  # the job's result, should it fail
                 self._running += 1
             try:
-                result = self._load(job_id, *args) if kind == "load" else self._save(job_id, *args)
+                result = self._load(failed, *args) if isinstance(failed, LoadDone) else self._save(failed, *args)
             except Exception as exc:  # noqa: BLE001 - a failed job is a miss or a dropped save, never a crash
-                log.error("kvoffload %s job %s failed: %s", kind, job_id, exc, exc_info=True)
-                result = JobResult(job_id, kind, False)
+                log.error("kvoffload %s job %s failed: %s", failed.kind, failed, exc, exc_info=True)
+                result = failed
             with self._cond:
                 self._results.append(result)
                 self._running -= 1
                 self._cond.notify_all()
 
-    def _load(self, job_id, block_keys, start, end, block_ids, fence) -> JobResult:
+    def _load(self, job: LoadDone, block_keys, start, end, block_ids, fence) -> LoadDone:
         """Host copies in slices of STORE_CALL_PAGES pages, as saves (see `_save`)."""
         step = None if self.offloader.transfer.gpu else STORE_CALL_PAGES
         loaded = self.offloader.load(block_keys, start, end, block_ids, after=fence, step=step)
-        return JobResult(job_id, "load", loaded.ok, missing=loaded.missing_keys)
+        return LoadDone(job.req_id, loaded.ok, loaded.missing_keys)
 
-    def _save(self, job_id, pages, fence) -> JobResult:
+    def _save(self, job: SaveDone, pages, fence) -> SaveDone:
         """Host copies go in slices of STORE_CALL_PAGES pages with the GIL handed back between them: the
         engine's thread, waiting for it, runs its step instead of waiting out the switch interval
         behind a long save. A device transfer waits on its copies without the GIL: one call, pipelined."""
@@ -140,7 +159,7 @@ class Jobs:
         for at in range(0, len(pages), step):
             written += self.offloader.save_pages(pages[at:at + step], after=fence)
             time.sleep(0)
-        return JobResult(job_id, "save", True, written=tuple(written))
+        return SaveDone(job.job_id, job.req_id, True, tuple(written))
 
 
 _live: weakref.WeakSet[Jobs] = weakref.WeakSet()

@@ -14,7 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from ..spec.layout import KindsLayout
 from ..spec.vllm import check_agreement, check_tensors, from_vllm
 from ..store import shared_store
-from .jobs import Jobs
+from .jobs import Jobs, LoadDone
 from .offloader import Offloader
 from .plan import own_pages, pages_for_load
 from .prefetch import Prefetcher
@@ -121,18 +121,17 @@ class _Worker:
         self._stats_due = self._stats_due or bool(results)
         done, failed = set(), set()
         for result in results:
-            if result.kind == "load":
-                done.add(result.job_id)
+            if isinstance(result, LoadDone):
+                done.add(result.req_id)
                 if not result.ok:
-                    failed.add(result.job_id)
+                    failed.add(result.req_id)
                     self._report.missing.update(result.missing)
-                    log.warning("KVOffloadConnector: load for %s failed; vLLM recomputes its prefix", result.job_id)
+                    log.warning("KVOffloadConnector: load for %s failed; vLLM recomputes its prefix", result.req_id)
                 continue
-            job_id, req_id = result.job_id
-            self._saving[req_id] -= 1
-            if self._saving[req_id] <= 0:
-                del self._saving[req_id]
-            self._report.done_jobs[job_id] = self._report.done_jobs.get(job_id, 0) + 1
+            self._saving[result.req_id] -= 1
+            if self._saving[result.req_id] <= 0:
+                del self._saving[result.req_id]
+            self._report.done_jobs[result.job_id] = self._report.done_jobs.get(result.job_id, 0) + 1
             for written in result.written:
                 self._report.added[written.key] = written.group.used_bytes_per_block
         sent = {req_id for req_id in self._awaited if req_id not in self._saving}
@@ -145,7 +144,7 @@ class _Worker:
             return
         for job in meta.saves:  # this rank's keys; a replicated group's pages only on its writing rank
             self._saving[job.req_id] += 1
-            self.jobs.submit_save((job.job_id, job.req_id), own_pages(self.offloader.layout, job.pages))
+            self.jobs.submit_save(job.job_id, job.req_id, own_pages(self.offloader.layout, job.pages))
         self._awaited.update(meta.await_saves)
 
     def _on_evicted(self, keys: list[bytes]) -> None:

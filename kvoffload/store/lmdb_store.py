@@ -61,8 +61,7 @@ from . import entry
 from . import lmdb_counters as counters
 from .base import Store
 from .buffers import Buffer
-from .errors import StoreConfigError
-from .eviction import POLICIES
+from .eviction import policy_name
 from .lmdb_counters import Counters, entry_charge
 from .lmdb_files import (
     ENTRY_FRACTION,
@@ -99,9 +98,8 @@ class LMDBStore(Store):
         self.readers = READERS if readers is None else max(1, int(readers))
         self._pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, executor): made on a first large read
         self._pool_lock = threading.Lock()
-        if evict not in POLICIES:
-            raise StoreConfigError(f"LMDB store: evict= takes {' or '.join(POLICIES)}, got {str(evict)[:40]!r}")
-        self.evict = evict  # the file's own, once open (lmdb_files.py)
+        # the one check, URLs' too (eviction.py); the file's own policy once open (lmdb_files.py)
+        self.evict = policy_name(evict, "LMDB store: evict=")
         self._count(checksum_failures=0, read_errors=0, counters_rebuilt=0)
         self._env: lmdb.Environment | None = None
         self._users: int | None = None  # `users.lock`'s descriptor (lmdb_files.py)

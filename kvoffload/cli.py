@@ -16,9 +16,9 @@ BENCHMARKS = {"store": "store", "footprint": "footprint", "ttft": "ttft", "trans
 
 
 def _refuse(exc: Exception) -> int:
-    if isinstance(exc, OSError) and exc.filename and exc.strerror:
-        exc = f"{exc.filename}: {exc.strerror}"
-    print(f"kvoffload: {exc}", file=sys.stderr)
+    message = f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) and exc.filename and exc.strerror \
+        else str(exc)
+    print(f"kvoffload: {message}", file=sys.stderr)
     return 2
 
 

@@ -20,14 +20,18 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from ..spec import CacheGroup
 from ..store import Store
+from ..store.base import Lease
 from .plan import Page
 from .span_copy import TILE_WORDS, SpanCopier, TileTable
+
+_T = TypeVar("_T")
 
 DEFAULT_STAGING_BYTES = 128 << 20  # per slot; two slots per direction, made by `warm_up`
 MAX_RESERVED_TILES = 1 << 20  # tile-table rows made ahead per slot (24 MiB); a larger batch grows its table
@@ -43,9 +47,26 @@ class _Slot:
         self.table = TileTable(device) if gpu else None
         self.host_bytes = self.host.numpy()
 
+    @property
+    def done(self) -> torch.cuda.Event:
+        """`event`: recorded and waited for on the GPU paths only."""
+        return _gpu_only(self.event)
+
+    @property
+    def filled(self) -> torch.cuda.Event:
+        """`staged`: recorded and waited for on the GPU paths only."""
+        return _gpu_only(self.staged)
+
     def wait(self) -> None:
         if self.event is not None:
             self.event.synchronize()
+
+
+def _gpu_only(part: _T | None) -> _T:
+    """A GPU slot's event or tile table, on a path that runs on a GPU only (a CPU slot has none)."""
+    if part is None:
+        raise RuntimeError("a staging slot of a CPU buffer has no events or tile table")
+    return part
 
 
 class DeviceTransfer:
@@ -78,7 +99,7 @@ class DeviceTransfer:
             for direction in ("save", "load"):
                 for index in (0, 1):
                     slot = self._slot(direction, index, size)
-                    slot.table.reserve(rows)
+                    _gpu_only(slot.table).reserve(rows)
             slot = self._slots[("save", 0)]
             with self._on("save"):
                 for w in (8, 4, 2, 1):  # one read of w bytes of the cache compiles (or loads) word size w
@@ -186,7 +207,10 @@ class DeviceTransfer:
     def _wait(self, direction: str, after) -> None:
         if self.gpu:
             stream = self.streams[direction]
-            stream.wait_event(after) if after is not None else stream.wait_stream(torch.cuda.current_stream(self.device))
+            if after is not None:
+                stream.wait_event(after)
+            else:
+                stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def _plan(self, items: Sequence[Page]):
         """Page sizes and offsets (back to back), every span of every page sorted by its place in the
@@ -220,7 +244,7 @@ class DeviceTransfer:
                 self.copier.gather(spans[a:b], lengths[a:b], slot.device, at[a:b] - base, slot.table)
                 if self.gpu:
                     slot.host[:total].copy_(slot.device[:total], non_blocking=True)
-                    slot.event.record()
+                    slot.done.record()
             return slot
 
         queued = queue(0)
@@ -257,9 +281,9 @@ class DeviceTransfer:
                 slot.device[:total].copy_(slot.host[:total], non_blocking=True)
             self.copier.scatter(spans, lengths, slot.device, at, slot.table)
             if self.gpu:
-                slot.event.record()
+                slot.done.record()
         if self.gpu:
-            torch.cuda.current_stream(self.device).wait_event(slot.event)
+            torch.cuda.current_stream(self.device).wait_event(slot.done)
         return ok
 
     # -- the transfer interface ----------------------------------------------------------------------
@@ -275,7 +299,8 @@ class DeviceTransfer:
             return [True]
 
         if np.asarray(page).nbytes != group.used_bytes_per_block:
-            raise ValueError(f"a {group.name} page is {group.used_bytes_per_block} bytes, got {np.asarray(page).nbytes}")
+            raise ValueError(f"a {group.name} page is {group.used_bytes_per_block} bytes, "
+                             f"got {np.asarray(page).nbytes}")
         self.unpack([Page(b"", group, 0, block)], fill)
 
     def save(self, store: Store, pages: Sequence[Page], after=None) -> list[bool]:
@@ -315,15 +340,15 @@ class DeviceTransfer:
                 a, b = span_cuts[k], span_cuts[k + 1]
                 with torch.cuda.stream(kernels):
                     self.copier.gather(spans[a:b], lengths[a:b], slot.device, at[a:b] - base, slot.table)
-                    slot.staged.record()
+                    slot.filled.record()
                 with torch.cuda.stream(copies):
-                    copies.wait_event(slot.staged)
+                    copies.wait_event(slot.filled)
                     for address, offset, n in _runs(reservation.destinations, (page_at[first:end] - base).tolist()):
                         _host_tensor(address, n).copy_(slot.device[offset:offset + n], non_blocking=True)
-                    slot.event.record()
+                    slot.done.record()
                 if pending is not None:
                     written += self._publish(store, *pending)
-                pending, reservation = (reservation, slot.event), None
+                pending, reservation = (reservation, slot.done), None
                 if k + 1 < len(batches):
                     reservation = reserve(k + 1)
         finally:
@@ -383,9 +408,10 @@ class DeviceTransfer:
         batches = self.batches(pages)
         arrived: list[bool] = []
         pending = None  # the batch before: (its leases, its staged event)
-        leases = store.acquire([item.key for item in batches[0]])
+        leases: list[Lease | None] | None = store.acquire([item.key for item in batches[0]])
         try:
             for k, batch in enumerate(batches):
+                assert leases is not None  # acquired for this batch (before the loop, or by the last iteration)
                 ok = [lease is not None and lease.view.nbytes == item.group.used_bytes_per_block
                       for lease, item in zip(leases, batch)]
                 sizes = self._sizes(batch)
@@ -393,19 +419,19 @@ class DeviceTransfer:
                 slot = self._slot("load", k % 2, int(sizes.sum()))
                 spans, lengths, at = self._spans(batch, offsets, ok)
                 with torch.cuda.stream(copies):
-                    views = [lease.view if good else None for lease, good in zip(leases, ok)]
+                    views = [lease.view if good and lease is not None else None for lease, good in zip(leases, ok)]
                     for address, offset, n in _runs(views, offsets.tolist()):
                         slot.device[offset:offset + n].copy_(_host_tensor(address, n), non_blocking=True)
-                    slot.staged.record()
+                    slot.filled.record()
                 with torch.cuda.stream(kernels):
-                    kernels.wait_event(slot.staged)
+                    kernels.wait_event(slot.filled)
                     self.copier.scatter(spans, lengths, slot.device, at, slot.table)
-                    slot.event.record()
+                    slot.done.record()
                 arrived += ok
                 if pending is not None:
                     pending[1].synchronize()  # its slots are read: they may be given back
                     store.release(pending[0])
-                pending, leases = (leases, slot.staged), None
+                pending, leases = (leases, slot.filled), None
                 if k + 1 < len(batches):
                     leases = store.acquire([item.key for item in batches[k + 1]])
             kernels.synchronize()  # scattered: compute may read the blocks
@@ -420,19 +446,19 @@ class DeviceTransfer:
 def _runs(views: Sequence[np.ndarray | None], offsets: Sequence[int]) -> Iterator[tuple[int, int, int]]:
     """(host address, staging offset, length) of each run of pages adjacent both in host memory (arena
     slots carved in order) and in staging: one DMA per run instead of one per page."""
-    run = None
+    run: tuple[int, int, int] | None = None
     for view, offset in zip(views, offsets):
         if view is None or not view.nbytes:
             continue
         address = view.ctypes.data
         if run is not None and run[0] + run[2] == address and run[1] + run[2] == offset:
-            run[2] += view.nbytes
+            run = (run[0], run[1], run[2] + view.nbytes)
             continue
         if run is not None:
-            yield tuple(run)
-        run = [address, offset, view.nbytes]
+            yield run
+        run = (address, offset, view.nbytes)
     if run is not None:
-        yield tuple(run)
+        yield run
 
 
 def _host_tensor(address: int, nbytes: int) -> torch.Tensor:

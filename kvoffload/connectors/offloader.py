@@ -21,7 +21,7 @@ from ..spec import CacheLayout
 from ..store import Store
 from ..store.url import redact_url
 from .plan import BlockTable, Page, hit_blocks, pages_for_load, pages_for_save
-from .transfer import Transfer
+from .transfer import Transfer, placed_block
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class Offloader:
             todo = [p for p, there in zip(pages, present) if not there]
             if self.observer:  # the page as the save reads it: after the fence, not before the forward wrote it
                 for page in todo:
-                    self.observer.saved(page, self.transfer.gather(page.group, page.block, after=after))
+                    self.observer.saved(page, self.transfer.gather(page.group, placed_block(page), after=after))
             started = time.perf_counter()
             written = self.transfer.save(self.store, todo, after=after)
         except Exception as exc:  # noqa: BLE001

@@ -81,8 +81,8 @@ class SpanCopier:
         else:
             parts = [self.buffer[o:o + n] for o, n in zip(offsets.tolist(), lengths.tolist())]
             staged = [staging[a:a + n] for a, n in zip(at.tolist(), lengths.tolist())]
-            dst, src = (staged, parts) if to_staging else (parts, staged)
-            torch._foreach_copy_(dst, src)
+            targets, sources = (staged, parts) if to_staging else (parts, staged)
+            torch._foreach_copy_(targets, sources)
 
 
 class TileTable:
@@ -91,7 +91,8 @@ class TileTable:
 
     def __init__(self, device: torch.device):
         self.device, self.rows = device, 0
-        self.host = self.on_device = None
+        self.host: torch.Tensor | None = None
+        self.on_device: torch.Tensor | None = None
 
     def reserve(self, rows: int) -> None:
         """Room for at least `rows` tiles (grown by doubling: a few pinned allocations in a lifetime)."""
@@ -105,6 +106,7 @@ class TileTable:
         span = np.repeat(np.arange(len(words)), count)
         step = (np.arange(len(span)) - np.repeat(np.cumsum(count) - count, count)) * TILE_WORDS
         self.reserve(len(span))
+        assert self.host is not None and self.on_device is not None  # reserved: a move has at least one tile
         rows = self.host.numpy()[:len(span)]
         rows[:, 0] = src_at[span] + step
         rows[:, 1] = dst_at[span] + step

@@ -39,6 +39,13 @@ class Transfer(Protocol):
         """Restore the pages; True per page that arrived whole (any other is left untouched)."""
 
 
+def placed_block(page: Page) -> int:
+    """The physical block of a page to move (a transfer moves placed pages only)."""
+    if page.block is None:
+        raise ValueError(f"page {page.key.hex()[:16]} (block index {page.index}) is not placed at a physical block")
+    return page.block
+
+
 def page_spans(group: CacheGroup, block: int) -> list[tuple[int, int]]:
     """(offset, length) of every layer's used bytes of `group` in physical `block` (`CacheGroup.page_spans`)."""
     return group.page_spans(block)
@@ -89,7 +96,7 @@ class HostTransfer:
         def fill(destinations: list[np.ndarray | None]) -> list[bool]:
             for p, out in zip(pages, destinations):
                 if out is not None:
-                    self.gather(p.group, p.block, out)
+                    self.gather(p.group, placed_block(p), out)
             return [out is not None for out in destinations]
 
         return store.write_many([(p.key, p.group.used_bytes_per_block) for p in pages], fill) if pages else []
@@ -102,7 +109,7 @@ class HostTransfer:
         def consume(i: int, view: memoryview) -> None:
             p = pages[i]
             if view.nbytes == p.group.used_bytes_per_block:
-                self.scatter(p.group, p.block, np.frombuffer(view, dtype=np.uint8))
+                self.scatter(p.group, placed_block(p), np.frombuffer(view, dtype=np.uint8))
                 ok[i] = True
 
         if pages:

@@ -60,9 +60,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from ..errors import ConfigError
 from ..spec import GroupKind, KeyChain
 from ..spec.vllm import UnsupportedLayoutError, key_context, scheduler_view
-from ..errors import ConfigError
 from .vllm_config import EXTRA_CONFIG_KEYS, ConnectorConfig
 from .vllm_identity import vllm_model_identity
 from .vllm_messages import KVOffloadMetadata, LoadJob, SaveJob, StoredPages

@@ -4,7 +4,7 @@ store URL or policy are a `ConfigError` naming the key, never a crashed engine l
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
 from ..errors import ConfigError
 from ..paths import vllm_store_url
@@ -12,7 +12,8 @@ from ..store import StoreSpec, parse_store_url
 from ..store.url import parse_size
 from .retention import DEFAULT, StateRetention
 
-LOAD_FAILURE_POLICIES = ("recompute", "fail")
+LoadFailurePolicy = Literal["recompute", "fail"]  # vLLM's `kv_load_failure_policy` values
+LOAD_FAILURE_POLICIES: tuple[LoadFailurePolicy, ...] = ("recompute", "fail")
 
 
 def _doc(text: str, default: Any = None) -> Any:
@@ -28,8 +29,8 @@ class ConnectorConfig:
     model_id: str | None = _doc("identity of the weights in the layout fingerprint (default: the served model name)")
     model_revision: str | None = _doc("a revision naming the weights (a commit, a checksum): keys use it instead "
                                       "of hashing the weight files")
-    load_failure_policy: str = _doc("'recompute' (default: a failed load is a cache miss) or 'fail' (vLLM's own "
-                                    "default)", "recompute")
+    load_failure_policy: LoadFailurePolicy = _doc("'recompute' (default: a failed load is a cache miss) or 'fail' "
+                                                  "(vLLM's own default)", "recompute")
     max_saved_blocks: str | None = _doc("save at most this many leading blocks of each prompt (a per-request cap "
                                         "on what one request may write; default: every full block)")
     prefetch_bytes: str | None = _doc("tiered:// only: bytes each worker may promote from the slow tier into its "

@@ -179,6 +179,8 @@ class Engine:
             if self.split_at_blocks:
                 end = min(end, (start // self.block_size + 1) * self.block_size)
             logits = self._run(request, start, end, decode=False)
+        if logits is None:  # admission (and a connector's hits) leave at least the last prompt token to compute
+            raise RuntimeError(f"prefill of a request whose {n} prompt tokens were all computed already")
         request.output.append(int(torch.argmax(logits[-1])))
         request.prefill_seconds = time.perf_counter() - started
         if self.connector is not None:
@@ -195,7 +197,8 @@ class Engine:
         self.pool.release(request.tail_block)
         request.blocks, request.tail_block = [], -1
 
-    def generate(self, prompts: list[list[int]], max_tokens: int, salts: list[str | None] | None = None) -> list[Request]:
+    def generate(self, prompts: list[list[int]], max_tokens: int,
+                 salts: list[str | None] | None = None) -> list[Request]:
         """Admit and prefill each prompt in order (a later prompt hits the blocks of an earlier one),
         decode them in lock-step, free their blocks."""
         requests = []

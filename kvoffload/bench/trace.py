@@ -33,14 +33,17 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 
 from ..connectors.plan import hit_and_junction, hit_blocks, pages_for_load, pages_for_save
 from ..connectors.retention import EVERY, StateRetention
 from ..spec import KeyChain
-from ..store import open_store
+from ..store import Store, open_store
+from ..store.tiered import TieredStore
 from .common import machine
 
 SCALE = 8192  # stored bytes = model bytes / SCALE (capacities too)
@@ -52,7 +55,8 @@ DISK_CAPACITIES = (1 << 40, 256 << 30)  # model bytes of local disk for KV: room
 # eviction, KDA checkpoint retention]); "no offload" stores nothing
 CAP_BLOCKS = 8  # the per-request cap tried (vLLM connector: max_saved_blocks)
 RETENTIONS = ("last", "last+junction", "last+every:4", "last+exp", "last+backexp", "last+exp+backexp")  # beside `every`
-POLICIES = (("no offload", None, None, "lru"), ("memory only, LRU", None, 1, "lru"),
+PolicyRow = tuple[str, int | None, int | None, str, *tuple[Any, ...]]  # _Replay's arguments (a tail may be left out)
+POLICIES: tuple[PolicyRow, ...] = (("no offload", None, None, "lru"), ("memory only, LRU", None, 1, "lru"),
             ("memory only, S3-FIFO", None, 1, "s3fifo"),
             *((f"memory + disk {d >> 30} GiB, {'store everything' if a == 1 else f'admit={a}'}"
                f"{', S3-FIFO memory' if e == 's3fifo' else ''}", d, a, e)
@@ -74,7 +78,7 @@ class Request:
     tokens: np.ndarray
 
 
-def _segment(rng: np.random.Generator, n: int) -> np.ndarray:
+def _segment(rng: np.random.Generator, n: int | np.integer) -> np.ndarray:
     return rng.integers(3, 150_000, int(n), dtype=np.int64)
 
 
@@ -147,15 +151,19 @@ class _Replay:
                                      "memory_written_bytes"), 0)
         # (hit tokens, memory bytes, disk bytes, queue wait s, time to first token s)
         self.per_request: list[tuple[int, int, int, float, float]] = []
-        self.store = self.front = None
+        self.store: Store | None = None  # None: no offload
+        self.front: Store | None = None  # the memory tier: the store itself, or the tiered store's front
+        self.tiered: TieredStore | None = None  # the store, when it has a disk tier
         if admit is not None and disk is None:
             self.store = self.front = open_store(f"memory://?capacity={MEMORY_CAPACITY // SCALE}&pinned=false"
                                                  f"&evict={evict}")
-        elif admit is not None:
-            self.store = open_store(f"tiered://?memory={MEMORY_CAPACITY // SCALE}&lmdb={directory}"
-                                    f"&lmdb_capacity={disk // SCALE}&pinned=false&admit={admit}&evict={evict}"
-                                    f"&lmdb_evict={disk_evict}")
-            self.front = self.store.front
+        elif admit is not None and disk is not None:
+            tiered = open_store(f"tiered://?memory={MEMORY_CAPACITY // SCALE}&lmdb={directory}"
+                                f"&lmdb_capacity={disk // SCALE}&pinned=false&admit={admit}&evict={evict}"
+                                f"&lmdb_evict={disk_evict}")
+            if not isinstance(tiered, TieredStore):
+                raise TypeError(f"a tiered:// URL opened a {type(tiered).__name__}")
+            self.store, self.front, self.tiered = tiered, tiered.front, tiered
 
     def _model_bytes(self, pages) -> int:
         """Model bytes as the stores count them: stored bytes times SCALE (over by < SCALE per page)."""
@@ -167,20 +175,21 @@ class _Replay:
         (a prefetch policy), then looks up, reads and saves."""
         self.totals["prompt_tokens"] += num_tokens
         start = max(arrival, self.free_at)
-        if self.store is None:
+        store, front = self.store, self.front
+        if store is None or front is None:  # both or neither
             self._served(arrival, start, num_tokens, 0, 0, 0)
             return
         keys = all_keys[:self.cap]
         if self.prefetch and start > arrival:
-            self._prefetch(keys, num_tokens, start - arrival)
-        hit, junction = hit_and_junction(self.layout, keys, num_tokens, self.store.contains_many)
+            self._prefetch(store, front, keys, num_tokens, start - arrival)
+        hit, junction = hit_and_junction(self.layout, keys, num_tokens, store.contains_many)
         memory = disk = 0
         if hit:
             pages = pages_for_load(self.layout, keys, 0, hit)
-            in_memory = self.front.contains_many([p.key for p in pages])
+            in_memory = front.contains_many([p.key for p in pages])
             memory = self._model_bytes(p for p, there in zip(pages, in_memory) if there)
             disk = self._model_bytes(pages) - memory
-            served = self.store.read_many([p.key for p in pages], lambda i, view: None)
+            served = store.read_many([p.key for p in pages], lambda i, view: None)
             assert all(served), "a page present a moment ago was not served"
         self._served(arrival, start, num_tokens, hit * self.layout.block_size, memory, disk)
         self.totals["hit_tokens"] += hit * self.layout.block_size
@@ -189,26 +198,26 @@ class _Replay:
         full = len(keys)
         checkpoints = self.retention.state_blocks(self.layout, num_tokens, range(full), full, junction)
         save = [p for p in pages_for_save(self.layout, keys, full, checkpoints) if p.index >= hit]
-        todo = [p for p, there in zip(save, self.store.contains_many([p.key for p in save])) if not there]
-        stored = self.store.put_many([(p.key, memoryview(self.payload)[:self.size[p.group.name]]) for p in todo])
+        todo = [p for p, there in zip(save, store.contains_many([p.key for p in save])) if not there]
+        stored = store.put_many([(p.key, memoryview(self.payload)[:self.size[p.group.name]]) for p in todo])
         self.totals["memory_written_bytes"] += self._model_bytes(p for p, ok in zip(todo, stored) if ok)
-        if self.disk is not None:
-            self.store.flush()  # the trace's think times are longer than any write-behind delay
+        if self.tiered is not None:
+            self.tiered.flush()  # the trace's think times are longer than any write-behind delay
 
     def _served(self, arrival: float, start: float, num_tokens: int, hit_tokens: int, memory: int, disk: int) -> None:
         move = memory / (LINK_GBPS * 1e9) + disk / (self.disk_gbps * 1e9)
         self.free_at = start + (num_tokens - hit_tokens) / PREFILL_TOKENS_PER_S + move
         self.per_request.append((hit_tokens, memory, disk, start - arrival, self.free_at - arrival))
 
-    def _prefetch(self, keys: list[bytes], num_tokens: int, wait: float) -> None:
+    def _prefetch(self, store: Store, front: Store, keys: list[bytes], num_tokens: int, wait: float) -> None:
         """What the connector's prefetch does for a queued request: the stored prefix's pages that only
         the disk holds, promoted into memory in order, as far as the wait at disk speed (and the
         prefetch budget, a quarter of memory) allows."""
-        end = hit_blocks(self.layout, keys, num_tokens, self.store.contains_many)
+        end = hit_blocks(self.layout, keys, num_tokens, store.contains_many)
         pages = pages_for_load(self.layout, keys, 0, end)
         budget = min(wait * self.disk_gbps * 1e9, MEMORY_CAPACITY / 4)
         chosen = []
-        for p, there in zip(pages, self.front.contains_many([p.key for p in pages])):
+        for p, there in zip(pages, front.contains_many([p.key for p in pages])):
             cost = self.size[p.group.name] * SCALE
             if there:
                 continue
@@ -216,7 +225,7 @@ class _Replay:
                 break
             budget -= cost
             chosen.append(p.key)
-        self.store.prefetch(chosen)
+        store.prefetch(chosen)
 
     def result(self, name: str) -> dict:
         saved = [hit / PREFILL_TOKENS_PER_S - memory / (LINK_GBPS * 1e9) - disk / (self.disk_gbps * 1e9)
@@ -257,7 +266,8 @@ def run(quick: bool = False, progress=None, seed: int = 0) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvoffload-trace-") as tmp:
         disk_gbps = _raw_disk_read_gbps(tmp, (64 << 20) if quick else (1 << 30))
         say(f"[bench trace] raw sequential disk read here: {disk_gbps:.2f} GB/s")
-        keys = [chain.keys(request.tokens) for request in trace]  # once: every policy replays the same keys
+        # once: every policy replays the same keys (keys() takes the token array as it is: np.asarray)
+        keys = [chain.keys(cast(Sequence[int], request.tokens)) for request in trace]
         for n, (name, disk, admit, evict, *extra) in enumerate(POLICIES):
             replay = _Replay(layout, disk, admit, evict, os.path.join(tmp, f"store-{n}"), disk_gbps, *extra)
             started = time.perf_counter()

@@ -37,7 +37,7 @@ def _case(block_size: int, tokens: int, warm: bool, preset: str) -> dict:
     from ..connectors.device_transfer import DeviceTransfer
     from ..connectors.offloader import Offloader
     from ..connectors.plan import pages_for_load
-    from ..connectors.transfer import HostTransfer
+    from ..connectors.transfer import HostTransfer, placed_block
     from ..spec import KeyChain
     from ..store import open_store
 
@@ -45,7 +45,8 @@ def _case(block_size: int, tokens: int, warm: bool, preset: str) -> dict:
     blocks = tokens // block_size
     cache = PagedCache(make_preset(preset), block_size, blocks, index_format="fp8", device=device)
     layout = cache.layout
-    keys = KeyChain(layout.fingerprint, block_size, namespace="warmstart").keys(np.arange(tokens + 1) % 50_000)
+    token_ids = (np.arange(tokens + 1) % 50_000).tolist()
+    keys = KeyChain(layout.fingerprint, block_size, namespace="warmstart").keys(token_ids)
     table = list(range(blocks))
     pages = pages_for_load(layout, keys, 0, blocks, table)
     rng = np.random.default_rng(block_size + tokens)
@@ -54,9 +55,11 @@ def _case(block_size: int, tokens: int, warm: bool, preset: str) -> dict:
     store = open_store(f"memory://?capacity={2 * nbytes + (256 << 20)}")
     assert all(store.put_many(list(stored.items()))), "the memory tier refused the prefix"
 
-    transfer = DeviceTransfer(cache.buffer)
-    if not warm:
-        transfer.warm_up = lambda groups: 0.0  # what a lazy transfer path would do: set up on first use
+    class LazyTransfer(DeviceTransfer):
+        def warm_up(self, groups) -> float:  # what a lazy transfer path would do: set up on first use
+            return 0.0
+
+    transfer = DeviceTransfer(cache.buffer) if warm else LazyTransfer(cache.buffer)
     started = time.perf_counter()
     offloader = Offloader(store, layout, transfer)
     construct_s = time.perf_counter() - started
@@ -72,7 +75,7 @@ def _case(block_size: int, tokens: int, warm: bool, preset: str) -> dict:
 
     first = restore()
     host = HostTransfer(cache.buffer.cpu())
-    equal = all(np.array_equal(host.gather(p.group, p.block), stored[p.key]) for p in pages)
+    equal = all(np.array_equal(host.gather(p.group, placed_block(p)), stored[p.key]) for p in pages)
     again = restore()
     source = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     target = torch.empty(nbytes, dtype=torch.uint8, device=device)

@@ -51,7 +51,8 @@ class Store(ABC):
     capacity: int
 
     # Reported by every tier, zero until they happen (tiers add their own, e.g. checksum_failures).
-    COUNTERS = ("hits", "misses", "puts", "put_bytes", "get_bytes", "evictions", "evicted_bytes", "dropped_puts")
+    COUNTERS: tuple[str, ...] = ("hits", "misses", "puts", "put_bytes", "get_bytes", "evictions", "evicted_bytes",
+                                 "dropped_puts")
 
     def __init__(self) -> None:
         self._counters: Counter[str] = Counter({name: 0 for name in self.COUNTERS})

@@ -126,9 +126,12 @@ class TieredStore(Store):
         return Reservation(items, front.destinations, front)
 
     def publish(self, reservation: Reservation, filled: Sequence[bool]) -> list[bool]:
-        if reservation.handle is None:  # private buffers: put_many counts and queues them
+        handle = reservation.handle
+        if handle is None:  # private buffers: put_many counts and queues them
             return super().publish(reservation, filled)
-        stored = self.front.publish(reservation.handle, filled)
+        if not isinstance(handle, Reservation):
+            raise TypeError(f"tiered store {self.url}: not one of its reservations")
+        stored = self.front.publish(handle, filled)
         self._admit([key for (key, _), ok in zip(reservation.items, stored) if ok], put=True)
         self._count_puts(stored, [n for _, n in reservation.items])
         return stored
@@ -164,7 +167,7 @@ class TieredStore(Store):
         return self.front.write_many([(key, view.nbytes)], fill)[0]
 
     def _cascade(self, keys: Sequence[bytes], found: list, take: Callable[[int, np.ndarray], None],
-                 back: Callable[[list[int]], int | None], *, any_held: bool = False) -> int:
+                 back: Callable[[list[int]], int], *, any_held: bool = False) -> int:
         """The one lookup order: the front's answer first (`found`, one per key, falsy where it has
         nothing), then the values the write-behind holds (`take(i, view)`: private copies only, or with
         `any_held` -- a lookup -- any value waiting), then `back(indices)` for the rest: what it returns
@@ -187,7 +190,7 @@ class TieredStore(Store):
             sizes[i] = view.nbytes
 
         def from_writer(i: int, view: np.ndarray) -> None:
-            counted(i, memoryview(view))
+            counted(i, view.data)  # .data: the array's memoryview
             served[i] = True
 
         def from_back(i: int, view: memoryview) -> None:
@@ -267,9 +270,11 @@ class TieredStore(Store):
         def from_writer(i: int, view: np.ndarray) -> None:
             present[i] = True
 
-        def from_back(missing: list[int]) -> None:
-            for i, ok in zip(missing, self.back.contains_many([keys[i] for i in missing])):
+        def from_back(missing: list[int]) -> int:
+            found = self.back.contains_many([keys[i] for i in missing])
+            for i, ok in zip(missing, found):
                 present[i] = ok
+            return sum(found)
 
         present = self.front.contains_many(keys)
         self._cascade(keys, present, from_writer, from_back, any_held=True)
@@ -307,10 +312,10 @@ class TieredStore(Store):
 
     # -- figures and shutdown -------------------------------------------------------------------------
     def _usage(self) -> dict[str, int]:
-        usage = {}
+        usage: dict[str, int] = {}
         for name, tier in (("memory", self.front), ("disk", self.back)):  # "disk": the back tier (stat names)
             for k, v in tier.stats().items():
-                if k != "url":
+                if k != "url" and isinstance(v, int):  # every figure but the URL is a count
                     usage[f"{name}_{k}"] = v
         usage["entries"] = usage.get("disk_entries", 0)
         usage["bytes_used"] = usage.get("disk_bytes_used", 0)

@@ -139,7 +139,7 @@ class WriteBehind:
             self._changed.notify_all()
         self.front.release(to_release)
         self._dropped(expired, self._too_old())
-        self._dropped(dropped, "the write-behind queue is full (behind_bytes=%d)" % self.behind_bytes)
+        self._dropped(dropped, f"the write-behind queue is full (behind_bytes={self.behind_bytes})")
 
     def withdraw(self, keys: Sequence[bytes]) -> tuple[int, list[bool]]:
         """Make way for a write or delete of `keys` in the back itself: their waiting values leave the
@@ -159,7 +159,7 @@ class WriteBehind:
             self._changed.wait_for(lambda: not self._inflight)  # a batch committing now cannot come back
             if not self.back.clear(owner):
                 return False
-            stale = [self._unqueue(key) for key in list(self._queue)]
+            stale = [self._take(key) for key in list(self._queue)]
             self.front.clear(owner)
         self.front.release(p.lease for p in stale)
         return True
@@ -170,13 +170,16 @@ class WriteBehind:
             self._thread = start_background(self._run, "kvoffload-write-behind")
 
     def _too_old(self) -> str:
-        return "waited longer than behind_age=%gs for the back tier" % self.behind_age
+        return f"waited longer than behind_age={self.behind_age:g}s for the back tier"
 
     def _unqueue(self, key: bytes) -> _Pending | None:
         """Under `_lock`: take `key`'s waiting entry out of the queue (the caller releases its lease)."""
-        pending = self._queue.pop(key, None)
-        if pending is not None:
-            self._held -= pending.nbytes
+        return self._take(key) if key in self._queue else None
+
+    def _take(self, key: bytes) -> _Pending:
+        """Under `_lock`: `_unqueue` of a key that is queued."""
+        pending = self._queue.pop(key)
+        self._held -= pending.nbytes
         return pending
 
     def _expire(self, now: float, expired: list[_Pending]) -> None:
@@ -185,7 +188,7 @@ class WriteBehind:
             key, pending = next(iter(self._queue.items()))
             if now - pending.since <= self.behind_age:
                 break
-            expired.append(self._unqueue(key))
+            expired.append(self._take(key))
 
     def _dropped(self, dropped: list[_Pending], why: str) -> None:
         if dropped:

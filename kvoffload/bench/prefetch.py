@@ -24,9 +24,9 @@ import tempfile
 
 import torch
 
+from ..harness.vllm_engine import Engine
 from .common import machine
 from .datapath import _drop_file_cache, _raw_read, _raw_write
-from ..harness.vllm_engine import Engine
 from .vllm_models import tiny_llama
 
 BLOCK = 32

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from .common import drop_page_cache, machine
 from ..harness.vllm_engine import Engine, EngineRunError
+from .common import drop_page_cache, machine
 from .vllm_models import tiny_llama
 from .vllm_profiles import CPU, Profile, profile
 

@@ -16,7 +16,7 @@ from ..store.url import redact_url
 from .plan import Page, hit_and_junction, hit_blocks, in_flight_keys, plan_save, rank_free
 from .retention import DEFAULT, StateRetention
 from .vllm_events import KVEvents, medium_for
-from .vllm_shared import KVOffloadMetadata, LoadJob, PrefetchJob, SaveJob, StoredPages
+from .vllm_messages import KVOffloadMetadata, LoadJob, PrefetchJob, SaveJob, StoredPages
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput

@@ -19,8 +19,8 @@ from .offloader import Offloader
 from .plan import own_pages, pages_for_load
 from .prefetch import Prefetcher
 from .transfer import make_transfer
+from .vllm_messages import KVOffloadMetadata, StoredPages
 from .vllm_metrics import COUNTERS, KVOffloadStats
-from .vllm_shared import KVOffloadMetadata, StoredPages
 
 log = logging.getLogger("kvoffload.connectors.vllm")
 IDLE_WAIT_S = 0.005  # at most this long per step with nothing to compute, waiting for a job's result

@@ -15,12 +15,18 @@ ENV_KEY := $(shell { $(PYTHON) -c 'import json, sys, tomllib; p = tomllib.load(o
 VENV    := $(CACHE_DIR)/venv-$(ENV_KEY)
 export PATH := $(VENV)/bin:$(PATH)
 
-.PHONY: demo test env clean-env
+.PHONY: demo test lint env clean-env
 demo: env
 	kvoffload demo
 
-test: env
+test: env lint
 	python -m pytest -n $(TEST_WORKERS) --dist load $(PYTEST_ARGS)
+
+# ruff (lint, format) and mypy over the package and the runner (their settings: pyproject.toml)
+lint: env
+	python -m ruff check kvoffload glm_integration
+	python -m ruff format --check kvoffload glm_integration
+	python -m mypy
 
 env: $(VENV)/.complete
 	@# the environment is shared by clones: point its editable install at this one, every time

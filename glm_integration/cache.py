@@ -43,8 +43,18 @@ class _Page:
 class PagedCache:
     """The packed buffer, typed views onto each layer's pages, and the layout description."""
 
-    def __init__(self, config: GlmConfig, block_size: int, num_blocks: int, *, index_format: str = "fp32",
-                 model_id: str = "", device: str | torch.device = "cpu", tp_rank: int = 0, tp_size: int = 1):
+    def __init__(
+        self,
+        config: GlmConfig,
+        block_size: int,
+        num_blocks: int,
+        *,
+        index_format: str = "fp32",
+        model_id: str = "",
+        device: str | torch.device = "cpu",
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ):
         kpool = config.index_kpool
         if block_size % kpool:
             raise ValueError(f"block size {block_size} must be a multiple of index_kpool {kpool}")
@@ -71,17 +81,19 @@ class PagedCache:
 
         # KDA layers form groups of (at most) as many layers as the MLA group has, as vLLM groups them.
         per_group = max(len(self.mla_layers), 1)
-        self.kda_groups = [self.kda_layers[i:i + per_group] for i in range(0, len(self.kda_layers), per_group)]
+        self.kda_groups = [self.kda_layers[i : i + per_group] for i in range(0, len(self.kda_layers), per_group)]
 
         cursor = 0
         self._latent: dict[int, _Page] = {}  # layer -> its page in a block; likewise below
         self._index: dict[int, _Page] = {}
         self._kda: dict[int, _Page] = {}
         self._ring: dict[int, _Page] = {}
-        for table, layers, nbytes in ((self._latent, self.mla_layers, self.latent_bytes),
-                                      (self._index, self.mla_layers, self.index_bytes),
-                                      (self._kda, self.kda_layers, self.kda_bytes),
-                                      (self._ring, self.mla_layers, self.ring_bytes)):
+        for table, layers, nbytes in (
+            (self._latent, self.mla_layers, self.latent_bytes),
+            (self._index, self.mla_layers, self.index_bytes),
+            (self._kda, self.kda_layers, self.kda_bytes),
+            (self._ring, self.mla_layers, self.ring_bytes),
+        ):
             for layer in layers:
                 table[layer] = _Page(cursor, nbytes)
                 cursor += _align(nbytes)
@@ -97,8 +109,11 @@ class PagedCache:
         for dim in reversed(shape):
             strides.append(acc)
             acc *= dim
-        return typed.as_strided((self.num_blocks, *shape), (self.block_stride // size, *reversed(strides)),
-                                (page.offset + extra_offset) // size)
+        return typed.as_strided(
+            (self.num_blocks, *shape),
+            (self.block_stride // size, *reversed(strides)),
+            (page.offset + extra_offset) // size,
+        )
 
     def latent(self, layer: int) -> torch.Tensor:
         """[num_blocks, block_size, kv_lora_rank] latent rows of one MLA layer."""
@@ -107,8 +122,9 @@ class PagedCache:
     def index_rows(self, layer: int) -> torch.Tensor:
         """[num_blocks, pools_per_block, row]: fp32 keys, or uint8 fp8 rows of 132 bytes."""
         if self.index_format == "fp32":
-            return self._view(self._index[layer], torch.float32, (self.block_size // self.kpool,
-                                                                  self.config.index_head_dim))
+            return self._view(
+                self._index[layer], torch.float32, (self.block_size // self.kpool, self.config.index_head_dim)
+            )
         return self._view(self._index[layer], torch.uint8, (self.block_size // self.kpool, self.index_row_bytes))
 
     def conv_window(self, layer: int) -> torch.Tensor:
@@ -143,28 +159,69 @@ class PagedCache:
         pages = [table[layer] for layer in layers]
         stride = pages[1].offset - pages[0].offset if len(pages) > 1 else _align(pages[0].nbytes)
         assert all(b.offset - a.offset == stride for a, b in zip(pages, pages[1:])), "pages must be evenly spaced"
-        return Region(buffer=0, offset=pages[0].offset, layer_stride=stride, block_stride=self.block_stride,
-                      layer_names=tuple(f"layers.{layer}.{role}" for layer in layers), used_bytes=pages[0].nbytes,
-                      page_bytes=_align(pages[0].nbytes), dtype=dtype)
+        return Region(
+            buffer=0,
+            offset=pages[0].offset,
+            layer_stride=stride,
+            block_stride=self.block_stride,
+            layer_names=tuple(f"layers.{layer}.{role}" for layer in layers),
+            used_bytes=pages[0].nbytes,
+            page_bytes=_align(pages[0].nbytes),
+            dtype=dtype,
+        )
 
     def _describe(self, model_id: str) -> CacheLayout:
         dt = str(self.dtype).removeprefix("torch.")
         groups: list[CacheGroup] = []
         if self.mla_layers:
             index_dtype = "float32" if self.index_format == "fp32" else "float8_e4m3fn+float32"
-            groups.append(CacheGroup(len(groups), "mla", GroupKind.PAGED, self.block_size, (
-                self._region(self._latent, self.mla_layers, "self_attn.latent", dt),
-                self._region(self._index, self.mla_layers, "self_attn.indexer.k_cache", index_dtype)),
-                tokens_per_state=self.kpool, spec_type="MLA latent + DSA indexer", tp_replicas=self.tp_size))
+            groups.append(
+                CacheGroup(
+                    len(groups),
+                    "mla",
+                    GroupKind.PAGED,
+                    self.block_size,
+                    (
+                        self._region(self._latent, self.mla_layers, "self_attn.latent", dt),
+                        self._region(self._index, self.mla_layers, "self_attn.indexer.k_cache", index_dtype),
+                    ),
+                    tokens_per_state=self.kpool,
+                    spec_type="MLA latent + DSA indexer",
+                    tp_replicas=self.tp_size,
+                )
+            )
         for g, layers in enumerate(self.kda_groups):
-            groups.append(CacheGroup(len(groups), f"kda{g}", GroupKind.STATE, self.block_size, (
-                self._region(self._kda, layers, "self_attn.kda_state", f"{dt}+float32"),), spec_type="KDA state"))
+            groups.append(
+                CacheGroup(
+                    len(groups),
+                    f"kda{g}",
+                    GroupKind.STATE,
+                    self.block_size,
+                    (self._region(self._kda, layers, "self_attn.kda_state", f"{dt}+float32"),),
+                    spec_type="KDA state",
+                )
+            )
         if self.mla_layers:
-            groups.append(CacheGroup(len(groups), "tail", GroupKind.SKIP, self.ring_slots, (
-                self._region(self._ring, self.mla_layers, "self_attn.indexer.tail_ring", "float32"),),
-                spec_type="kpool tail ring"))
-        return CacheLayout(model_id=model_id, groups=tuple(groups), block_size=self.block_size,
-                           hash_block_size=self.block_size, hit_alignment=lcm(self.block_size, self.kpool),
-                           num_blocks=self.num_blocks, buffer_sizes=(self.buffer.numel(),), index_kpool=self.kpool,
-                           tp_rank=self.tp_rank, tp_size=self.tp_size,
-                           extra=(("dtype", dt), ("index_format", self.index_format)))
+            groups.append(
+                CacheGroup(
+                    len(groups),
+                    "tail",
+                    GroupKind.SKIP,
+                    self.ring_slots,
+                    (self._region(self._ring, self.mla_layers, "self_attn.indexer.tail_ring", "float32"),),
+                    spec_type="kpool tail ring",
+                )
+            )
+        return CacheLayout(
+            model_id=model_id,
+            groups=tuple(groups),
+            block_size=self.block_size,
+            hash_block_size=self.block_size,
+            hit_alignment=lcm(self.block_size, self.kpool),
+            num_blocks=self.num_blocks,
+            buffer_sizes=(self.buffer.numel(),),
+            index_kpool=self.kpool,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            extra=(("dtype", dt), ("index_format", self.index_format)),
+        )

@@ -17,6 +17,7 @@ the keys vLLM reads that transformers does not define (`mhc`, `mla_use_nope`, `t
 `scoring_func`, `indexer_rope_interleave`, `moe_router_dtype`). Tensor dtypes are the HF format's in both
 (vLLM casts on load), so `weights.load_weights` returns the same tensors from either directory.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -204,9 +205,11 @@ def write_checkpoint(
             os.remove(os.path.join(out_dir, old))
 
     shards = _plan_shards(config, max_shard_bytes)
-    files = [SINGLE_FILE] if len(shards) == 1 else [
-        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
-    ]
+    files = (
+        [SINGLE_FILE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     weight_map: dict[str, str] = {}
     total = 0
     for file, entries in zip(files, shards):
@@ -247,12 +250,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument(
-        "--format", choices=FORMATS, default="hf",
+        "--format",
+        choices=FORMATS,
+        default="hf",
         help="hf: transformers' names; vllm: the release names vLLM's glm5next loads (same values)",
     )
     parser.add_argument("--no-mhc", action="store_true", help='vllm format: "mhc": false, no hyper-connection tensors')
     parser.add_argument(
-        "--force", action="store_true",
+        "--force",
+        action="store_true",
         help=f"allow presets over {UNFORCED_BYTES >> 30} GiB (pruned-4l, full); tiny and vllm-4l need none",
     )
     args = parser.parse_args(argv)

@@ -23,8 +23,12 @@ _MLP_TYPES = ("dense", "sparse")
 _INDEXER_TYPES = ("full", "shared")
 _DTYPES = ("float32", "bfloat16", "float16")
 _FROM_ZERO = ("qk_rope_head_dim", "n_shared_experts", "num_nextn_predict_layers", "pad_token_id")  # other ints: >= 1
-_KINDS = {"int": (int, "an integer"), "float": (float, "a number"), "bool": (bool, "true or false"),
-          "str": (str, "a string")}
+_KINDS = {
+    "int": (int, "an integer"),
+    "float": (float, "a number"),
+    "bool": (bool, "true or false"),
+    "str": (str, "a string"),
+}
 
 
 class ModelConfigError(ConfigError):
@@ -223,8 +227,9 @@ class GlmConfig:
             raise ModelConfigError("attention_bias=True is not supported (GLM-5.3-Flash has none)")
         heads = get("num_attention_heads", 64)
         if get("num_key_value_heads", heads) != heads:
-            raise ModelConfigError(f"num_key_value_heads ({d['num_key_value_heads']}) must equal num_attention_heads "
-                                   f"({heads})")
+            raise ModelConfigError(
+                f"num_key_value_heads ({d['num_key_value_heads']}) must equal num_attention_heads ({heads})"
+            )
         if d.get("q_lora_rank", 1536) is None:
             raise ModelConfigError("q_lora_rank is required (the DSA indexer reads the q latent)")
 

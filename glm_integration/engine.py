@@ -102,8 +102,15 @@ class Request:
 
 
 class Engine:
-    def __init__(self, model: GlmModel, cache: PagedCache, *, namespace: str = "glm_integration",
-                 prefill_chunk: int | None = None, split_at_blocks: bool = True):
+    def __init__(
+        self,
+        model: GlmModel,
+        cache: PagedCache,
+        *,
+        namespace: str = "glm_integration",
+        prefill_chunk: int | None = None,
+        split_at_blocks: bool = True,
+    ):
         self.model, self.cache = model, cache
         self.block_size = cache.block_size
         self.pool = BlockPool(cache.num_blocks)
@@ -151,8 +158,9 @@ class Engine:
     # -- compute ---------------------------------------------------------------------------------------
     def _run(self, request: Request, start: int, end: int, decode: bool) -> torch.Tensor:
         self.ensure_blocks(request, end)
-        chunk = Chunk(start, end, tuple(request.blocks), request.tail_block, self.block_size, decode,
-                      self.cache.buffer.device)
+        chunk = Chunk(
+            start, end, tuple(request.blocks), request.tail_block, self.block_size, decode, self.cache.buffer.device
+        )
         logits = self.model.forward(request.tokens[start:end], chunk, self.cache)
         request.computed = end
         if end % self.block_size == 0:
@@ -197,8 +205,9 @@ class Engine:
         self.pool.release(request.tail_block)
         request.blocks, request.tail_block = [], -1
 
-    def generate(self, prompts: list[list[int]], max_tokens: int,
-                 salts: list[str | None] | None = None) -> list[Request]:
+    def generate(
+        self, prompts: list[list[int]], max_tokens: int, salts: list[str | None] | None = None
+    ) -> list[Request]:
         """Admit and prefill each prompt in order (a later prompt hits the blocks of an earlier one),
         decode them in lock-step, free their blocks."""
         requests = []

@@ -29,8 +29,9 @@ def checkpoint_id(directory: str, model_revision: str | None = None) -> str:
         raise ModelConfigError(str(exc)) from None
 
 
-def load_model(directory: str, device: str = "cpu",
-               model_revision: str | None = None) -> tuple[GlmConfig, GlmModel, str]:
+def load_model(
+    directory: str, device: str = "cpu", model_revision: str | None = None
+) -> tuple[GlmConfig, GlmModel, str]:
     """(config, model with its weights on `device`, model id: `checkpoint_id`)."""
     config = GlmConfig.from_pretrained(directory)
     weights = {name: t.to(device) for name, t in load_weights(directory, config=config).items()}

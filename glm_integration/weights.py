@@ -102,7 +102,10 @@ def _mlp_shapes(c: GlmConfig, mlp_type: str) -> list[tuple[str, tuple[int, ...]]
     if mlp_type == "dense":
         I = c.intermediate_size  # noqa: E741
         out: list[tuple[str, tuple[int, ...]]] = [
-            ("gate_proj.weight", (I, H)), ("up_proj.weight", (I, H)), ("down_proj.weight", (H, I))]
+            ("gate_proj.weight", (I, H)),
+            ("up_proj.weight", (I, H)),
+            ("down_proj.weight", (H, I)),
+        ]
     else:
         E, I, S = c.n_routed_experts, c.moe_intermediate_size, c.moe_intermediate_size * c.n_shared_experts  # noqa: E741
         out = [
@@ -222,8 +225,9 @@ def _fuse_release_format(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Te
         for proj in ("gate_proj", "up_proj", "down_proj"):
             by_index = per_proj.get(proj, {})
             if sorted(by_index) != list(range(len(by_index))) or not by_index:
-                raise ModelConfigError(f"{prefix}: per-expert {proj} tensors are incomplete "
-                                       f"(have {sorted(by_index)[:8]}...)")
+                raise ModelConfigError(
+                    f"{prefix}: per-expert {proj} tensors are incomplete (have {sorted(by_index)[:8]}...)"
+                )
             stacked[proj] = torch.stack([by_index[e] for e in range(len(by_index))])
         out[prefix + ".gate_up_proj"] = torch.cat([stacked["gate_proj"], stacked["up_proj"]], dim=1)
         out[prefix + ".down_proj"] = stacked["down_proj"]
@@ -254,8 +258,9 @@ def load_weights(directory: str, config: GlmConfig | None = None) -> dict[str, t
         config = GlmConfig.from_pretrained(directory)
     raw = _read_raw(directory)
     if fp8 := [n for n in raw if n.endswith(("weight_scale_inv", "weight_scale", "input_scale"))]:
-        raise ModelConfigError(f"{directory}: quantised checkpoint (e.g. {_few(fp8, 2)}); "
-                               "load the BF16 release instead")
+        raise ModelConfigError(
+            f"{directory}: quantised checkpoint (e.g. {_few(fp8, 2)}); load the BF16 release instead"
+        )
 
     text: dict[str, torch.Tensor] = {}
     for name, t in raw.items():
@@ -294,9 +299,7 @@ def load_weights(directory: str, config: GlmConfig | None = None) -> dict[str, t
     ]
     if unexpected:
         raise ModelConfigError(f"{directory}: {len(unexpected)} unexpected tensors: {_few(unexpected)}")
-    wrong = [
-        f"{n} {tuple(out[n].shape)} != {shape}" for n, shape in expected.items() if tuple(out[n].shape) != shape
-    ]
+    wrong = [f"{n} {tuple(out[n].shape)} != {shape}" for n, shape in expected.items() if tuple(out[n].shape) != shape]
     if config.num_nextn_predict_layers:
         wrong += [
             f"mtp.{n} {tuple(out['mtp.' + n].shape)} != {(config.vocab_size, config.hidden_size)}"

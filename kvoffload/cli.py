@@ -9,15 +9,27 @@ import sys
 
 from .errors import INPUT_ERRORS, KVOffloadError
 
-BENCHMARKS = {"store": "store", "footprint": "footprint", "ttft": "ttft", "transfer": "transfer",
-              "vllm-ttft": "vllm_ttft", "overhead": "overhead", "redis": "redis_tier", "faults": "faults",
-              "datapath": "datapath", "stall": "stall", "trace": "trace",
-              "prefetch": "prefetch", "warmstart": "warmstart"}  # name -> kvoffload.bench module
+BENCHMARKS = {
+    "store": "store",
+    "footprint": "footprint",
+    "ttft": "ttft",
+    "transfer": "transfer",
+    "vllm-ttft": "vllm_ttft",
+    "overhead": "overhead",
+    "redis": "redis_tier",
+    "faults": "faults",
+    "datapath": "datapath",
+    "stall": "stall",
+    "trace": "trace",
+    "prefetch": "prefetch",
+    "warmstart": "warmstart",
+}  # name -> kvoffload.bench module
 
 
 def _refuse(exc: Exception) -> int:
-    message = f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) and exc.filename and exc.strerror \
-        else str(exc)
+    message = (
+        f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) and exc.filename and exc.strerror else str(exc)
+    )
     print(f"kvoffload: {message}", file=sys.stderr)
     return 2
 
@@ -56,10 +68,19 @@ def _demo(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from .verify import verify
 
-    report = verify(args.store, model_dir=args.model, preset=args.preset, prompts_file=args.prompts,
-                    restart=args.restart, separate=args.separate, block_size=args.block_size,
-                    max_tokens=args.max_tokens,
-                    progress=None if args.quiet else _progress, device=args.device, kernels=args.kernels)
+    report = verify(
+        args.store,
+        model_dir=args.model,
+        preset=args.preset,
+        prompts_file=args.prompts,
+        restart=args.restart,
+        separate=args.separate,
+        block_size=args.block_size,
+        max_tokens=args.max_tokens,
+        progress=None if args.quiet else _progress,
+        device=args.device,
+        kernels=args.kernels,
+    )
     return _print_report(report, args.json)
 
 
@@ -113,19 +134,30 @@ def main(argv: list[str] | None = None) -> int:
     source = ver.add_mutually_exclusive_group()
     source.add_argument("--preset", default="tiny", help="a runner preset, checkpoint written once (default tiny)")
     source.add_argument("--model", help="a GLM-5.3-Flash checkpoint directory")
-    ver.add_argument("--prompts", help="file with one prompt per line, space-separated token ids "
-                                       "(default: the built-in edge cases)")
+    ver.add_argument(
+        "--prompts", help="file with one prompt per line, space-separated token ids (default: the built-in edge cases)"
+    )
     mode = ver.add_mutually_exclusive_group()
     mode.add_argument("--restart", action="store_true", help="run the warm phase in a new process")
-    mode.add_argument("--separate", action="store_true", help="run cold and warm each in a new process: two "
-                      "independent runners sharing only the store (e.g. redis://)")
+    mode.add_argument(
+        "--separate",
+        action="store_true",
+        help="run cold and warm each in a new process: two independent runners sharing only the store (e.g. redis://)",
+    )
     ver.add_argument("--device", default="cpu", help="cpu or cuda[:N] (NVIDIA or ROCm GPU; default cpu)")
-    ver.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton", "aiter"],
-                     help="runner kernel backend (auto: triton on a GPU, torch on the CPU)")
+    ver.add_argument(
+        "--kernels",
+        default="auto",
+        choices=["auto", "torch", "triton", "aiter"],
+        help="runner kernel backend (auto: triton on a GPU, torch on the CPU)",
+    )
     ver.add_argument("--block-size", type=_count, default=16)
     ver.add_argument("--max-tokens", type=_count, default=8, help="greedy decode steps compared per prompt")
-    ver.add_argument("--json", action="store_true", help="per prompt: tokens_equal, pages_equal, hit_tokens, "
-                                                         "cold and warm prefill seconds; totals")
+    ver.add_argument(
+        "--json",
+        action="store_true",
+        help="per prompt: tokens_equal, pages_equal, hit_tokens, cold and warm prefill seconds; totals",
+    )
     ver.add_argument("--quiet", action="store_true", help="no progress output")
     ver.set_defaults(func=_verify)
     bench = sub.add_parser("bench", help="offload benchmarks with same-run baselines (JSON)")
@@ -133,8 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--quick", action="store_true", help="small sizes: checks the benchmark, not the machine")
     bench.add_argument("--out", default="bench/results", help="directory for the JSON result (default bench/results)")
     bench.add_argument("--json", action="store_true", help="print the result JSON instead of progress")
-    bench.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                       help=f"where the vLLM engine runs ({', '.join(ON_DEVICES)}; default cpu: vLLM's CPU build)")
+    bench.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help=f"where the vLLM engine runs ({', '.join(ON_DEVICES)}; default cpu: vLLM's CPU build)",
+    )
     bench.set_defaults(func=_bench)
     inspect = sub.add_parser("inspect", help="print a store's statistics as JSON")
     inspect.add_argument("url", help="store URL, e.g. lmdb:///var/cache/kvoffload")

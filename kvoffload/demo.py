@@ -20,7 +20,8 @@ def report_lines(report: dict) -> list[str]:
     expected = sum(p["expected_hit_tokens"] for p in report["prompts"])
     cases = len({p["case"] for p in report["prompts"]})
     return [
-        f"store            {report['store']}" + ("  (warm run in a new process)" if report["restart"] else "")
+        f"store            {report['store']}"
+        + ("  (warm run in a new process)" if report["restart"] else "")
         + ("  (cold and warm in two independent processes)" if report.get("separate") else ""),
         f"runner           {report.get('device', 'cpu')}, {report.get('kernels', 'torch')} kernels",
         f"prompts          {t['prompts']} in {cases} cases, {report['max_tokens']} new tokens each",

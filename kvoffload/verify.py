@@ -72,8 +72,9 @@ def read_prompt_file(path: str, vocab_size: int | None = None) -> list[tuple[str
             except ValueError:
                 raise InputError(f"{path}:{number}: a prompt is space-separated token ids") from None
             if vocab_size and (bad := [t for t in prompt if not 0 <= t < vocab_size]):
-                raise InputError(f"{path}:{number}: token id {bad[0]} is outside the model's vocabulary "
-                                 f"[0, {vocab_size})")
+                raise InputError(
+                    f"{path}:{number}: token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})"
+                )
             cases.append((f"{os.path.basename(path)}:{number}", [prompt]))
     if not cases:
         raise InputError(f"{path}: no prompts")
@@ -123,8 +124,12 @@ class _Recorder:
         self.pending: list = []
 
     def saved(self, page, data) -> None:
-        self.result.pages[page.key.hex()] = {"group": page.group.name, "kind": page.group.kind.value,
-                                             "digest": _digest(data), "bytes": int(data.nbytes)}
+        self.result.pages[page.key.hex()] = {
+            "group": page.group.name,
+            "kind": page.group.kind.value,
+            "digest": _digest(data),
+            "bytes": int(data.nbytes),
+        }
 
     def loaded(self, page) -> None:
         self.pending.append(page)
@@ -143,16 +148,27 @@ class _VerifyingConnector(RunnerConnector):
         self.restored_now = []
         for page in self.recorder.pending:
             data = self.offloader.transfer.gather(page.group, page.block)
-            self.recorder.result.pages.setdefault(page.key.hex(), {"group": page.group.name,
-                                                                   "kind": page.group.kind.value})
+            self.recorder.result.pages.setdefault(
+                page.key.hex(), {"group": page.group.name, "kind": page.group.kind.value}
+            )
             self.recorder.result.pages[page.key.hex()]["restored_digest"] = _digest(data)
             self.restored_now.append(page.key.hex())
         request.restored_keys = list(self.restored_now)
 
 
-def run_phase(model_dir: str, store, namespace: str, cases, block_size: int, max_tokens: int,
-              threads: int = 1, progress=None, device: str = "cpu", kernels: str = "auto",
-              state_retention: str = "every") -> PhaseResult:
+def run_phase(
+    model_dir: str,
+    store,
+    namespace: str,
+    cases,
+    block_size: int,
+    max_tokens: int,
+    threads: int = 1,
+    progress=None,
+    device: str = "cpu",
+    kernels: str = "auto",
+    state_retention: str = "every",
+) -> PhaseResult:
     """One cold or warm pass over every case, each on a fresh device cache. `store` is a URL (opened
     here, stamped with the layout fingerprint) or an open `Store` shared with another phase.
     `state_retention`: 'every' by default, so that every checkpoint's bytes are checked and the bytes
@@ -169,8 +185,19 @@ def run_phase(model_dir: str, store, namespace: str, cases, block_size: int, max
     if isinstance(store, str):
         fingerprint = PagedCache(config, block_size, 1, model_id=model_id, device="meta").layout.fingerprint
         with open_store(store, fingerprint=fingerprint) as opened:
-            return run_phase(model_dir, opened, namespace, cases, block_size, max_tokens, threads, progress,
-                             device, kernels, state_retention)
+            return run_phase(
+                model_dir,
+                opened,
+                namespace,
+                cases,
+                block_size,
+                max_tokens,
+                threads,
+                progress,
+                device,
+                kernels,
+                state_retention,
+            )
     for c, (name, prompts) in enumerate(cases):
         need = sum((len(p) + max_tokens) // block_size + 2 for p in prompts) + 4
         cache = PagedCache(config, block_size, need, model_id=model_id, device=device)  # fresh and empty
@@ -209,14 +236,19 @@ def compare(cases, cold: PhaseResult, warm: PhaseResult, layout, block_size: int
 
     reports, problems = [], []
     saved = {k: p for k, p in cold.pages.items() if "digest" in p}  # not the pages a cold run loaded
-    skip_pages = [k for k, p in {**saved, **warm.pages}.items() if p.get("kind") == GroupKind.SKIP.value
-                  or layout.group(p["group"]).kind is GroupKind.SKIP]
+    skip_pages = [
+        k
+        for k, p in {**saved, **warm.pages}.items()
+        if p.get("kind") == GroupKind.SKIP.value or layout.group(p["group"]).kind is GroupKind.SKIP
+    ]
     if skip_pages:
         problems.append(f"{len(skip_pages)} page(s) of a SKIP group were stored or restored")
     for p in saved.values():
         if p["bytes"] != layout.group(p["group"]).used_bytes_per_block:
-            problems.append(f"a {p['group']} page of {p['bytes']} bytes (the group uses "
-                            f"{layout.group(p['group']).used_bytes_per_block})")
+            problems.append(
+                f"a {p['group']} page of {p['bytes']} bytes (the group uses "
+                f"{layout.group(p['group']).used_bytes_per_block})"
+            )
             break
     if any(cold.loaded_tokens[c][i] for c in range(len(cases)) for i in range(len(cases[c][1]))):
         problems.append("the cold run loaded pages: the store was not empty for this run")
@@ -229,12 +261,21 @@ def compare(cases, cold: PhaseResult, warm: PhaseResult, layout, block_size: int
             wanted = {p.key.hex() for p in pages_for_load(layout, keys, loaded_from, hit // block_size)}
             restored = warm.restored[c][i]
             pages_equal = set(restored) == wanted and all(
-                warm.pages[k].get("restored_digest") == saved.get(k, {}).get("digest") for k in restored)
-            reports.append(PromptReport(
-                case=name, prompt_tokens=len(prompt), tokens_equal=cold.tokens[c][i] == warm.tokens[c][i],
-                pages_equal=pages_equal, hit_tokens=hit, expected_hit_tokens=expected,
-                restored_pages=len(restored), cold_prefill_seconds=cold.prefill_seconds[c][i],
-                warm_prefill_seconds=warm.prefill_seconds[c][i]))
+                warm.pages[k].get("restored_digest") == saved.get(k, {}).get("digest") for k in restored
+            )
+            reports.append(
+                PromptReport(
+                    case=name,
+                    prompt_tokens=len(prompt),
+                    tokens_equal=cold.tokens[c][i] == warm.tokens[c][i],
+                    pages_equal=pages_equal,
+                    hit_tokens=hit,
+                    expected_hit_tokens=expected,
+                    restored_pages=len(restored),
+                    cold_prefill_seconds=cold.prefill_seconds[c][i],
+                    warm_prefill_seconds=warm.prefill_seconds[c][i],
+                )
+            )
     blocks_saved: dict[str, int] = {}
     for p in saved.values():
         blocks_saved.setdefault(p["group"], 0)
@@ -242,8 +283,9 @@ def compare(cases, cold: PhaseResult, warm: PhaseResult, layout, block_size: int
     stored_bytes = sum(p["bytes"] for p in saved.values())
     paged = [g for g in layout.cacheable_groups if g.kind is GroupKind.PAGED]
     stored_blocks = max((blocks_saved.get(g.name, 0) for g in paged), default=0)
-    ok = not problems and all(r.tokens_equal and r.pages_equal and r.hit_tokens == r.expected_hit_tokens
-                              for r in reports)
+    ok = not problems and all(
+        r.tokens_equal and r.pages_equal and r.hit_tokens == r.expected_hit_tokens for r in reports
+    )
     return {
         "ok": ok,
         "problems": problems,
@@ -258,8 +300,9 @@ def compare(cases, cold: PhaseResult, warm: PhaseResult, layout, block_size: int
             "stored_bytes": stored_bytes,
             "stored_bytes_per_token": stored_bytes / (stored_blocks * block_size) if stored_blocks else 0.0,
             "expected_bytes_per_token": layout.stored_bytes_per_block() / block_size,
-            "whole_packed_block_bytes_per_token": len(layout.cacheable_groups) * layout.groups[0].regions[0]
-            .block_stride / block_size,
+            "whole_packed_block_bytes_per_token": len(layout.cacheable_groups)
+            * layout.groups[0].regions[0].block_stride
+            / block_size,
             "bytes_per_token_by_group": {g.name: g.used_bytes_per_block / block_size for g in layout.cacheable_groups},
             "cold_prefill_seconds": sum(r.cold_prefill_seconds for r in reports),
             "warm_prefill_seconds": sum(r.warm_prefill_seconds for r in reports),
@@ -267,17 +310,29 @@ def compare(cases, cold: PhaseResult, warm: PhaseResult, layout, block_size: int
     }
 
 
-def verify(store_url: str, *, model_dir: str | None = None, preset: str = "tiny", prompts_file: str | None = None,
-           restart: bool = False, separate: bool = False, block_size: int = 16, max_tokens: int = 8, progress=None,
-           device: str = "cpu", kernels: str = "auto") -> dict:
+def verify(
+    store_url: str,
+    *,
+    model_dir: str | None = None,
+    preset: str = "tiny",
+    prompts_file: str | None = None,
+    restart: bool = False,
+    separate: bool = False,
+    block_size: int = 16,
+    max_tokens: int = 8,
+    progress=None,
+    device: str = "cpu",
+    kernels: str = "auto",
+) -> dict:
     """`restart`: the warm phase runs in a new process. `separate`: the cold and the warm phase each run
     in a new process of their own, two independent runners sharing nothing but the store (a shared
     tier such as redis:// serving another instance)."""
     progress = progress or (lambda message: None)
     device = _check_device(device)
     if (restart or separate) and parse_store_url(store_url).process_local:
-        raise StoreConfigError("memory:// lives in one process: use lmdb://, redis:// or tiered:// with "
-                               "--restart or --separate")
+        raise StoreConfigError(
+            "memory:// lives in one process: use lmdb://, redis:// or tiered:// with --restart or --separate"
+        )
     if block_size < 1 or max_tokens < 1:
         raise InputError(f"block size and max tokens must be at least 1, got {block_size} and {max_tokens}")
     from glm_integration.kernels import backend_for, use_backend
@@ -293,8 +348,9 @@ def verify(store_url: str, *, model_dir: str | None = None, preset: str = "tiny"
 
     config = GlmConfig.from_pretrained(model_dir)
     if block_size % config.index_kpool:
-        raise InputError(f"--block-size {block_size} must be a multiple of the model's index_kpool "
-                         f"({config.index_kpool})")
+        raise InputError(
+            f"--block-size {block_size} must be a multiple of the model's index_kpool ({config.index_kpool})"
+        )
     cases = read_prompt_file(prompts_file, config.vocab_size) if prompts_file else builtin_cases(config, block_size)
     namespace = f"verify/{uuid.uuid4()}"
     layout = PagedCache(config, block_size, 1, model_id=checkpoint_id(model_dir), device="meta").layout
@@ -302,8 +358,10 @@ def verify(store_url: str, *, model_dir: str | None = None, preset: str = "tiny"
     run = {"device": device, "kernels": kernels}
     phase = (model_dir, store_url, namespace, cases, block_size, max_tokens, run)
     shown = redact_url(store_url)
-    started = (f"[verify] cold run of {sum(len(p) for _, p in cases)} prompts on {device} "
-               f"({backend_for(device, kernels)} kernels) -> {shown}")
+    started = (
+        f"[verify] cold run of {sum(len(p) for _, p in cases)} prompts on {device} "
+        f"({backend_for(device, kernels)} kernels) -> {shown}"
+    )
     if separate:
         progress(started + ", in a new process")
         cold = _phase_in_new_process(*phase)
@@ -312,20 +370,47 @@ def verify(store_url: str, *, model_dir: str | None = None, preset: str = "tiny"
     else:
         with open_store(store_url, fingerprint=layout.fingerprint) as store:
             progress(started)
-            cold = run_phase(model_dir, store, namespace, cases, block_size, max_tokens, progress=progress,
-                             device=device, kernels=kernels)
+            cold = run_phase(
+                model_dir,
+                store,
+                namespace,
+                cases,
+                block_size,
+                max_tokens,
+                progress=progress,
+                device=device,
+                kernels=kernels,
+            )
             if not restart:
                 progress("[verify] device cache dropped; warm run")
-                warm = run_phase(model_dir, store, namespace, cases, block_size, max_tokens, progress=progress,
-                                 device=device, kernels=kernels)
+                warm = run_phase(
+                    model_dir,
+                    store,
+                    namespace,
+                    cases,
+                    block_size,
+                    max_tokens,
+                    progress=progress,
+                    device=device,
+                    kernels=kernels,
+                )
         if restart:
             progress("[verify] device cache dropped, process restarted; warm run")
             warm = _phase_in_new_process(*phase)
     report = compare(cases, cold, warm, layout, block_size, namespace)
-    report.update({"store": shown, "restart": restart, "separate": separate, "model": model_dir,
-                   "block_size": block_size,
-                   "max_tokens": max_tokens, "device": device, "kernels": backend_for(device, kernels),
-                   "counters": {"cold": cold.counters, "warm": warm.counters}})
+    report.update(
+        {
+            "store": shown,
+            "restart": restart,
+            "separate": separate,
+            "model": model_dir,
+            "block_size": block_size,
+            "max_tokens": max_tokens,
+            "device": device,
+            "kernels": backend_for(device, kernels),
+            "counters": {"cold": cold.counters, "warm": warm.counters},
+        }
+    )
     return report
 
 
@@ -341,8 +426,18 @@ def _phase_in_new_process(model_dir, store_url, namespace, cases, block_size, ma
     with tempfile.TemporaryDirectory() as tmp:
         spec, out = os.path.join(tmp, "phase.json"), os.path.join(tmp, "result.json")
         with open(spec, "w") as f:
-            json.dump({"model_dir": model_dir, "store_url": store_url, "namespace": namespace, "cases": cases,
-                       "block_size": block_size, "max_tokens": max_tokens, **run}, f)
+            json.dump(
+                {
+                    "model_dir": model_dir,
+                    "store_url": store_url,
+                    "namespace": namespace,
+                    "cases": cases,
+                    "block_size": block_size,
+                    "max_tokens": max_tokens,
+                    **run,
+                },
+                f,
+            )
         proc = subprocess.run([sys.executable, "-m", "kvoffload.verify", spec, out])  # progress on stderr
         if proc.returncode == 2 and os.path.exists(out):  # bad input, reported here as the parent's own
             with open(out) as f:
@@ -359,11 +454,18 @@ def _phase_main(spec_path: str, out_path: str) -> int:
 
     started = time.perf_counter()
     try:
-        result = run_phase(spec["model_dir"], spec["store_url"], spec["namespace"],
-                           [(name, prompts) for name, prompts in spec["cases"]], spec["block_size"],
-                           spec["max_tokens"], progress=lambda message: print(message, file=sys.stderr, flush=True),
-                           device=spec["device"], kernels=spec["kernels"],
-                           state_retention=spec.get("state_retention", "every"))
+        result = run_phase(
+            spec["model_dir"],
+            spec["store_url"],
+            spec["namespace"],
+            [(name, prompts) for name, prompts in spec["cases"]],
+            spec["block_size"],
+            spec["max_tokens"],
+            progress=lambda message: print(message, file=sys.stderr, flush=True),
+            device=spec["device"],
+            kernels=spec["kernels"],
+            state_retention=spec.get("state_retention", "every"),
+        )
     except INPUT_ERRORS as exc:  # a store or checkpoint that cannot work: the parent says so, in one line
         with open(out_path, "w") as f:
             json.dump({"input_error": str(exc)}, f)

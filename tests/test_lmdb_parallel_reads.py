@@ -6,7 +6,8 @@ import threading
 
 import numpy as np
 
-from kvoffload.store.lmdb_store import PARALLEL_READ_BYTES, LMDBStore
+from kvoffload.store.lmdb_reads import PARALLEL_READ_BYTES
+from kvoffload.store.lmdb_store import LMDBStore
 from kvoffload.store.tiered import TieredStore
 from kvoffload.store.memory import MemoryStore
 
@@ -36,7 +37,7 @@ def test_a_large_read_is_split_over_readers_byte_for_byte(tmp_path):
         served, got, threads = _read(store, keys)
         assert served == [False] + [True] * len(values) + [False]
         assert [got[i] for i in range(1, len(keys) - 1)] == list(values.values())
-        assert [len(part) for part in store._read_parts(keys)] == [9, 8, 8, 9]  # four runs of ~equal bytes
+        assert [len(part) for part in store._readers.split(store._live_env, store._meta, keys)] == [9, 8, 8, 9]  # four runs of ~equal bytes
         assert any(name.startswith("kvoffload-lmdb-read") for name in threads) and len(threads) >= 2
         stats = store.stats()
         assert (stats["hits"], stats["misses"], stats["get_bytes"]) == (len(values), 2, len(values) * SIZE)

@@ -42,6 +42,7 @@ def backend_for(device, requested: str = "auto") -> str:
     if str(device).startswith("cuda"):  # ROCm builds of torch also name their GPUs cuda
         try:
             import triton  # noqa: F401
+
             return "triton"
         except ImportError:
             pass

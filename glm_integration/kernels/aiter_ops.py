@@ -65,8 +65,17 @@ MLA_RANK, MLA_ROPE_PAD, RMS_MAX_HIDDEN = 512, 64, 8192
 MLA_HEADS = (128, 64, 32, 16, 8)  # aiter's bf16 MLA decode kernels (gfx942 and gfx950), largest first
 _MLA_API = ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_lens", "max_seqlen_q")
 _KDA_API = ("beta", "scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel")
-_MHC_PRE_API = ("residual", "fn", "hc_scale", "hc_base", "rms_eps", "hc_pre_eps", "hc_sinkhorn_eps",
-                "hc_post_mult_value", "sinkhorn_repeat")
+_MHC_PRE_API = (
+    "residual",
+    "fn",
+    "hc_scale",
+    "hc_base",
+    "rms_eps",
+    "hc_pre_eps",
+    "hc_sinkhorn_eps",
+    "hc_post_mult_value",
+    "sinkhorn_repeat",
+)
 _MHC_POST_API = ("out", "x", "residual", "post_layer_mix", "comb_res_mix")
 _LOGITS_API = ("Q", "KV", "kv_scales", "weights", "cu_starts", "cu_ends")
 _CALL_ERRORS = (TypeError, RuntimeError)  # a signature that changed; a kernel this build lacks
@@ -105,8 +114,13 @@ def _give_up(what: str, exc: Exception) -> None:
         _mla_heads.remove(int(what.split("=")[1]))
     else:
         _entries[what] = None
-    log.warning("aiter %s failed (%s: %s); using the %s kernels for it from now on", what, type(exc).__name__,
-                exc, getattr(_fallback, "__name__", "fallback").rsplit(".", 1)[-1])
+    log.warning(
+        "aiter %s failed (%s: %s); using the %s kernels for it from now on",
+        what,
+        type(exc).__name__,
+        exc,
+        getattr(_fallback, "__name__", "fallback").rsplit(".", 1)[-1],
+    )
 
 
 def _on(device: torch.device):
@@ -120,8 +134,13 @@ def _other(name: str):
 
 
 def rms_norm(x, weight, eps):
-    if (weight is not None and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and 0 < x.shape[-1] <= RMS_MAX_HIDDEN and x.numel()):
+    if (
+        weight is not None
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and 0 < x.shape[-1] <= RMS_MAX_HIDDEN
+        and x.numel()
+    ):
         flat = x.reshape(-1, x.shape[-1]).contiguous()
         with _on(x.device):
             return aiter.rms_norm(flat, weight.contiguous(), eps).view(x.shape)
@@ -152,8 +171,9 @@ class _PaddedRows:
         buf = self.buffers.get(key)
         if buf is None or buf.shape[0] < n:
             rows = max(n, 2 * buf.shape[0] if buf is not None else 256)
-            buf = self.buffers[key] = torch.zeros(rows, MLA_RANK + MLA_ROPE_PAD, dtype=latent.dtype,
-                                                  device=latent.device)
+            buf = self.buffers[key] = torch.zeros(
+                rows, MLA_RANK + MLA_ROPE_PAD, dtype=latent.dtype, device=latent.device
+            )
         torch.index_select(latent, 0, positions, out=buf[:n, :MLA_RANK])
         return buf[:n].view(n, 1, 1, MLA_RANK + MLA_ROPE_PAD)
 
@@ -164,8 +184,13 @@ padded_rows = _PaddedRows()
 def absorbed_decode_attention(q_latent, latent, mask, scale):
     heads, tokens, rank = q_latent.shape
     calls = mla_head_calls(heads)
-    if not (_entries["mla"] is not None and calls and q_latent.dtype == latent.dtype == torch.bfloat16
-            and rank == MLA_RANK and tokens > 0):
+    if not (
+        _entries["mla"] is not None
+        and calls
+        and q_latent.dtype == latent.dtype == torch.bfloat16
+        and rank == MLA_RANK
+        and tokens > 0
+    ):
         return _other("absorbed_decode_attention")(q_latent, latent, mask, scale)
     device = q_latent.device
     used = mask.any(0)  # the rows any query selects: only these are copied, compacted
@@ -180,28 +205,42 @@ def absorbed_decode_attention(q_latent, latent, mask, scale):
     out = torch.empty(tokens, heads, MLA_RANK, dtype=q_latent.dtype, device=device)
     h = 0
     for size in calls:
-        q = F.pad(q_latent[h:h + size].transpose(0, 1), (0, MLA_ROPE_PAD)).contiguous()
+        q = F.pad(q_latent[h : h + size].transpose(0, 1), (0, MLA_ROPE_PAD)).contiguous()
         o = torch.empty(tokens, size, MLA_RANK, dtype=q_latent.dtype, device=device)
         try:
             with _on(device):
-                _entries["mla"](q, kv, o, qo_indptr, kv_indptr, kv_indices, last_page_lens, 1, sm_scale=scale,
-                                **_mla_keywords)
+                _entries["mla"](
+                    q, kv, o, qo_indptr, kv_indptr, kv_indices, last_page_lens, 1, sm_scale=scale, **_mla_keywords
+                )
         except _CALL_ERRORS as exc:
             _give_up("mla" if isinstance(exc, TypeError) else f"mla_heads={size}", exc)
             return _other("absorbed_decode_attention")(q_latent, latent, mask, scale)
-        out[:, h:h + size] = o
+        out[:, h : h + size] = o
         h += size
     return out.transpose(0, 1)
 
 
 def kda_chunked(q, k, v, g, beta, state, chunk: int = 64):
-    if (_entries["kda"] is not None and q.shape[0] > 0 and q.shape[-1] <= 256 and q.dim() == 3
-            and q.dtype in (torch.bfloat16, torch.float16, torch.float32)):
+    if (
+        _entries["kda"] is not None
+        and q.shape[0] > 0
+        and q.shape[-1] <= 256
+        and q.dim() == 3
+        and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    ):
         try:
             with _on(q.device):
-                out, final = _entries["kda"](q[None], k[None], v[None], g[None], beta.float()[None],
-                                             scale=q.shape[-1] ** -0.5, initial_state=state.float()[None],
-                                             output_final_state=True, use_qk_l2norm_in_kernel=True)
+                out, final = _entries["kda"](
+                    q[None],
+                    k[None],
+                    v[None],
+                    g[None],
+                    beta.float()[None],
+                    scale=q.shape[-1] ** -0.5,
+                    initial_state=state.float()[None],
+                    output_final_state=True,
+                    use_qk_l2norm_in_kernel=True,
+                )
             return out[0].float(), final[0]
         except _CALL_ERRORS as exc:
             _give_up("kda", exc)
@@ -217,9 +256,16 @@ def hc_pre(streams, fn, base, scale, eps, norm_eps, iters):
         try:
             with _on(streams.device):
                 post, comb, collapsed = _entries["mhc_pre"](
-                    streams.contiguous(), fn.float().contiguous(), scale.float().contiguous(),
-                    base.float().contiguous(), rms_eps=norm_eps, hc_pre_eps=eps, hc_sinkhorn_eps=eps,
-                    hc_post_mult_value=2.0, sinkhorn_repeat=iters)
+                    streams.contiguous(),
+                    fn.float().contiguous(),
+                    scale.float().contiguous(),
+                    base.float().contiguous(),
+                    rms_eps=norm_eps,
+                    hc_pre_eps=eps,
+                    hc_sinkhorn_eps=eps,
+                    hc_post_mult_value=2.0,
+                    sinkhorn_repeat=iters,
+                )
             return post.view(streams.shape[0], streams.shape[1]), comb, collapsed
         except _CALL_ERRORS as exc:
             _give_up("mhc_pre", exc)
@@ -227,13 +273,22 @@ def hc_pre(streams, fn, base, scale, eps, norm_eps, iters):
 
 
 def hc_post(post, comb, block_out, residual):
-    if (_entries["mhc_post"] is not None and _mhc_shapes(residual) and block_out.dtype == residual.dtype
-            and residual.shape[0] > 0):
+    if (
+        _entries["mhc_post"] is not None
+        and _mhc_shapes(residual)
+        and block_out.dtype == residual.dtype
+        and residual.shape[0] > 0
+    ):
         out = torch.empty_like(residual, memory_format=torch.contiguous_format)
         try:
             with _on(residual.device):
-                _entries["mhc_post"](out, block_out.contiguous(), residual.contiguous(),
-                                     post.float().unsqueeze(-1).contiguous(), comb.float().contiguous())
+                _entries["mhc_post"](
+                    out,
+                    block_out.contiguous(),
+                    residual.contiguous(),
+                    post.float().unsqueeze(-1).contiguous(),
+                    comb.float().contiguous(),
+                )
             return out
         except _CALL_ERRORS as exc:
             _give_up("mhc_post", exc)
@@ -254,8 +309,14 @@ def _quantized(x: torch.Tensor, fp8) -> tuple[torch.Tensor, torch.Tensor]:
 def indexer_scores(q, weights, pooled, scale):
     t, heads, dim = q.shape
     n = pooled.shape[0]
-    if (_entries["logits"] is not None and t > 0 and n > 0 and scale > 0 and heads & (heads - 1) == 0
-            and dim & (dim - 1) == 0):
+    if (
+        _entries["logits"] is not None
+        and t > 0
+        and n > 0
+        and scale > 0
+        and heads & (heads - 1) == 0
+        and dim & (dim - 1) == 0
+    ):
         fp8 = _fp8()
         q8, q_scale = _quantized(q, fp8)
         k8, k_scale = _quantized(pooled, fp8)

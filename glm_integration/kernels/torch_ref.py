@@ -7,8 +7,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-OPS = ("rms_norm", "causal_conv", "kda_chunked", "kda_recurrent", "masked_attention", "absorbed_decode_attention",
-       "indexer_scores", "pool_keys", "select_pools", "moe_experts", "hc_pre", "hc_post")
+OPS = (
+    "rms_norm",
+    "causal_conv",
+    "kda_chunked",
+    "kda_recurrent",
+    "masked_attention",
+    "absorbed_decode_attention",
+    "indexer_scores",
+    "pool_keys",
+    "select_pools",
+    "moe_experts",
+    "hc_pre",
+    "hc_post",
+)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -24,7 +36,7 @@ def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> 
     k = weight.shape[-1]
     ext = torch.cat([window.to(x.dtype), x.transpose(0, 1)], dim=1)  # [C, K-1+T]
     y = F.conv1d(ext.unsqueeze(0).to(weight.dtype), weight.view(weight.shape[0], 1, k), groups=weight.shape[0])
-    return F.silu(y[0]).transpose(0, 1).to(x.dtype), ext[:, ext.shape[1] - (k - 1):].clone()
+    return F.silu(y[0]).transpose(0, 1).to(x.dtype), ext[:, ext.shape[1] - (k - 1) :].clone()
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -43,8 +55,14 @@ def kda_chunked(q, k, v, g, beta, state, chunk: int = 64):
     s = state.float()
     for start in range(0, q.shape[0], chunk):
         sl = slice(start, start + chunk)
-        out[sl], s = _kda_chunk(q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1),
-                                g[sl].transpose(0, 1), beta[sl].transpose(0, 1), s)
+        out[sl], s = _kda_chunk(
+            q[sl].transpose(0, 1),
+            k[sl].transpose(0, 1),
+            v[sl].transpose(0, 1),
+            g[sl].transpose(0, 1),
+            beta[sl].transpose(0, 1),
+            s,
+        )
     return out, s
 
 
@@ -162,5 +180,6 @@ def hc_post(post, comb, block_out, residual):
     """mHC after a block: the block output [T, D] spread over the streams by `post`, plus the streams
     [T, N, D] mixed by comb^T."""
     dtype = residual.dtype
-    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2),
-                                                                                 residual)
+    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(
+        comb.to(dtype).transpose(-1, -2), residual
+    )

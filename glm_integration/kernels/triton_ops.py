@@ -25,9 +25,9 @@ def _pow2(n: int, floor: int = 16) -> int:
 
 # -- KDA: the gated delta rule ------------------------------------------------------------------------
 
+
 @triton.jit
-def _kda_recurrent_kernel(q, k, v, g, beta, s_in, out, s_out, T, H, DK, DV, scale,
-                          BK: tl.constexpr, BV: tl.constexpr):
+def _kda_recurrent_kernel(q, k, v, g, beta, s_in, out, s_out, T, H, DK, DV, scale, BK: tl.constexpr, BV: tl.constexpr):
     """One (head, value block): the state tile S[:, block] stays on chip for all T tokens."""
     h = tl.program_id(0)
     ok = tl.arange(0, BK)
@@ -53,8 +53,9 @@ def _kda_recurrent_kernel(q, k, v, g, beta, s_in, out, s_out, T, H, DK, DV, scal
 
 
 @triton.jit
-def _kda_chunked_kernel(q, k, v, g, beta, s_in, out, s_out, T, H, DK, DV, scale,
-                        L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+def _kda_chunked_kernel(
+    q, k, v, g, beta, s_in, out, s_out, T, H, DK, DV, scale, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr
+):
     """One (head, value block), L tokens at a time in closed form: the chunk's pairwise decays
     exp(G_t - G_i) (never above 1, so no overflow for any decay), the unit-lower-triangular system for
     the chunk's updates solved by forward substitution, then one state update per chunk."""
@@ -107,8 +108,9 @@ def _kda(kernel, q, k, v, g, beta, state, **extra):
     out = torch.empty((t, h, dv), dtype=torch.float32, device=q.device)
     s_out = torch.empty_like(s_in)
     bv = min(_pow2(dv), 32)
-    kernel[(h, triton.cdiv(dv, bv))](q, k, v, g, beta, s_in, out, s_out, t, h, dk, dv, dk ** -0.5,
-                                     BK=_pow2(dk), BV=bv, **extra)
+    kernel[(h, triton.cdiv(dv, bv))](
+        q, k, v, g, beta, s_in, out, s_out, t, h, dk, dv, dk**-0.5, BK=_pow2(dk), BV=bv, **extra
+    )
     return out, s_out
 
 
@@ -122,9 +124,31 @@ def kda_chunked(q, k, v, g, beta, state, chunk: int = 16):
 
 # -- sparse MLA attention over selected key indices -----------------------------------------------
 
+
 @triton.jit
-def _sparse_attention_kernel(q, k, v, idx, counts, out, scale, sq_h, sq_t, sk_h, sk_s, sv_h, sv_s, so_h, so_t,
-                             si_t, D, DV, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr):
+def _sparse_attention_kernel(
+    q,
+    k,
+    v,
+    idx,
+    counts,
+    out,
+    scale,
+    sq_h,
+    sq_t,
+    sk_h,
+    sk_s,
+    sv_h,
+    sv_s,
+    so_h,
+    so_t,
+    si_t,
+    D,
+    DV,
+    BD: tl.constexpr,
+    BDV: tl.constexpr,
+    BN: tl.constexpr,
+):
     """One (query, head): online softmax over the query's selected keys in ascending position order."""
     t, h = tl.program_id(0), tl.program_id(1)
     od, ov = tl.arange(0, BD), tl.arange(0, BDV)
@@ -165,9 +189,29 @@ def _sparse_attention(q, k, v, sk_h, sv_h, mask, scale):
     dv = v.shape[-1]
     idx, counts = _selected(mask)
     out = torch.empty((heads, t, dv), dtype=q.dtype, device=q.device)
-    _sparse_attention_kernel[(t, heads)](q, k, v, idx, counts, out, scale, q.stride(0), q.stride(1), sk_h, k.stride(-2),
-                                         sv_h, v.stride(-2), out.stride(0), out.stride(1), idx.stride(0), d, dv,
-                                         BD=_pow2(d), BDV=_pow2(dv), BN=16)
+    _sparse_attention_kernel[(t, heads)](
+        q,
+        k,
+        v,
+        idx,
+        counts,
+        out,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        sk_h,
+        k.stride(-2),
+        sv_h,
+        v.stride(-2),
+        out.stride(0),
+        out.stride(1),
+        idx.stride(0),
+        d,
+        dv,
+        BD=_pow2(d),
+        BDV=_pow2(dv),
+        BN=16,
+    )
     return out
 
 
@@ -182,6 +226,7 @@ def absorbed_decode_attention(q_latent, latent, mask, scale):
 
 
 # -- DSA indexer scores over pooled keys -------------------------------------------------------------
+
 
 @triton.jit
 def _indexer_scores_kernel(q, w, pooled, out, N, H, D, scale, BN: tl.constexpr, BD: tl.constexpr):
@@ -204,8 +249,9 @@ def indexer_scores(q, weights, pooled, scale):
     out = torch.empty((t, n), dtype=torch.float32, device=q.device)
     if n:
         bn = 32
-        _indexer_scores_kernel[(t, triton.cdiv(n, bn))](q.contiguous(), weights.contiguous(), pooled.contiguous(), out,
-                                                        n, h, d, scale, BN=bn, BD=_pow2(d))
+        _indexer_scores_kernel[(t, triton.cdiv(n, bn))](
+            q.contiguous(), weights.contiguous(), pooled.contiguous(), out, n, h, d, scale, BN=bn, BD=_pow2(d)
+        )
     return out
 
 
@@ -256,12 +302,14 @@ def select_pools(scores, visible, k):
     t, n = scores.shape
     out = torch.zeros((t, n), dtype=torch.int8, device=scores.device)
     if t and n:
-        _select_pools_kernel[(t,)](scores.float().contiguous(), visible.to(torch.int8).contiguous(), out, n,
-                                   min(k, n), BN=min(_pow2(n), 1024))
+        _select_pools_kernel[(t,)](
+            scores.float().contiguous(), visible.to(torch.int8).contiguous(), out, n, min(k, n), BN=min(_pow2(n), 1024)
+        )
     return out.bool()
 
 
 # -- MoE: routed experts, token by token ---------------------------------------------------------------
+
 
 @triton.jit
 def _moe_up_kernel(x, idx, gate_up, hidden, K, D, NI, limit, BI: tl.constexpr, BD: tl.constexpr):
@@ -317,13 +365,22 @@ def moe_experts(x, weights, indices, gate_up, down, limit):
     out = torch.empty_like(x)
     if t:
         bi, bd = min(_pow2(inter), 64), min(_pow2(d), 128)
-        _moe_up_kernel[(t * kk, triton.cdiv(inter, bi))](x, indices, gate_up.contiguous(), hidden, kk, d, inter,
-                                                        float(limit), BI=bi, BD=bd)
-        _moe_down_kernel[(t, triton.cdiv(d, bd))](hidden, indices, weights, down.contiguous(), out, kk, d, inter,
-                                                 BD=bd, BI=bi)
+        _moe_up_kernel[(t * kk, triton.cdiv(inter, bi))](
+            x, indices, gate_up.contiguous(), hidden, kk, d, inter, float(limit), BI=bi, BD=bd
+        )
+        _moe_down_kernel[(t, triton.cdiv(d, bd))](
+            hidden, indices, weights, down.contiguous(), out, kk, d, inter, BD=bd, BI=bi
+        )
     return out
 
 
-for _name in ("kda_recurrent", "kda_chunked", "masked_attention", "absorbed_decode_attention", "indexer_scores",
-              "select_pools", "moe_experts"):
+for _name in (
+    "kda_recurrent",
+    "kda_chunked",
+    "masked_attention",
+    "absorbed_decode_attention",
+    "indexer_scores",
+    "select_pools",
+    "moe_experts",
+):
     register("triton", _name, globals()[_name])

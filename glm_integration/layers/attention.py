@@ -26,7 +26,7 @@ class Indexer:
         self.layer, self.heads, self.dim = layer, config.index_n_heads, config.index_head_dim
         self.kpool, self.topk = config.index_kpool, config.index_topk
         self.tail = config.index_kpool_always_select_tail
-        w = {name[len(prefix) + 1:]: t for name, t in weights.items() if name.startswith(prefix + ".")}
+        w = {name[len(prefix) + 1 :]: t for name, t in weights.items() if name.startswith(prefix + ".")}
         self.wq_b, self.wk, self.weights_proj = w["wq_b.weight"], w["wk.weight"], w["weights_proj.weight"]
         self.k_norm_w, self.k_norm_b = w["k_norm.weight"], w["k_norm.bias"]
         self.ape, self.gate = w["index_kpool_compress_ape"], w["index_kpool_compress_gate"]
@@ -43,8 +43,9 @@ class Indexer:
         gates = torch.cat([ring[carried, d:].to(gates.dtype), gates])
         complete = (chunk.end // p * p - open_start) // p
         if complete > 0:
-            pooled = ops.pool_keys(keys[: complete * p].view(complete, p, d),
-                                   gates[: complete * p].view(complete, p, d), self.ape)
+            pooled = ops.pool_keys(
+                keys[: complete * p].view(complete, p, d), gates[: complete * p].view(complete, p, d), self.ape
+            )
             rows = cache.index_rows(self.layer)
             first_pool = open_start // p
             for i, row in enumerate(cache.encode_index_rows(pooled)):
@@ -69,14 +70,15 @@ class Indexer:
         table = chunk.table()
         pooled = cache.decode_index_rows(rows[table[starts // chunk.block_size], (starts % chunk.block_size) // p])
         q = F.linear(q_resid, self.wq_b).view(x.shape[0], self.heads, self.dim)
-        weights = F.linear(x, self.weights_proj).float() * self.heads ** -0.5
-        scores = ops.indexer_scores(q, weights, pooled, self.dim ** -0.5)
+        weights = F.linear(x, self.weights_proj).float() * self.heads**-0.5
+        scores = ops.indexer_scores(q, weights, pooled, self.dim**-0.5)
         complete_visible = (positions[:, None] + 1) // p
         visible = torch.arange(pools, device=dev)[None, :] < complete_visible
         chosen = ops.select_pools(scores, visible, self.topk // p)
         mask = chosen.repeat_interleave(p, dim=1)
-        mask = torch.cat([mask, torch.zeros(mask.shape[0], chunk.end - mask.shape[1], dtype=torch.bool, device=dev)],
-                         dim=1)
+        mask = torch.cat(
+            [mask, torch.zeros(mask.shape[0], chunk.end - mask.shape[1], dtype=torch.bool, device=dev)], dim=1
+        )
         if self.tail:
             mask |= causal & (keys[None, :] >= complete_visible * p)
         return mask
@@ -88,13 +90,16 @@ class MLAttention:
         self.nope, self.v_dim, self.rank = config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank
         self.scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
         self.eps = config.rms_norm_eps
-        w = {name[len(prefix) + 1:]: t for name, t in weights.items() if name.startswith(prefix + ".")}
+        w = {name[len(prefix) + 1 :]: t for name, t in weights.items() if name.startswith(prefix + ".")}
         self.q_a, self.q_a_norm, self.q_b = w["q_a_proj.weight"], w["q_a_layernorm.weight"], w["q_b_proj.weight"]
-        self.kv_a, self.kv_a_norm, self.kv_b = (w["kv_a_proj_with_mqa.weight"], w["kv_a_layernorm.weight"],
-                                                w["kv_b_proj.weight"])
+        self.kv_a, self.kv_a_norm, self.kv_b = (
+            w["kv_a_proj_with_mqa.weight"],
+            w["kv_a_layernorm.weight"],
+            w["kv_b_proj.weight"],
+        )
         self.o = w["o_proj.weight"]
         kv_b = self.kv_b.view(self.heads, self.nope + self.v_dim, self.rank)
-        self.w_uk, self.w_uv = kv_b[:, : self.nope], kv_b[:, self.nope:]  # [H, nope, R], [H, v, R]
+        self.w_uk, self.w_uv = kv_b[:, : self.nope], kv_b[:, self.nope :]  # [H, nope, R], [H, v, R]
         self.indexer = Indexer(config, weights, f"{prefix}.indexer", layer) if indexer else None
 
     def __call__(self, x: torch.Tensor, chunk: Chunk, cache, shared_mask: torch.Tensor | None):
@@ -121,5 +126,5 @@ class MLAttention:
             out = torch.einsum("htr,hvr->htv", o_latent, self.w_uv)
         else:
             kv = F.linear(latent, self.kv_b).view(-1, self.heads, self.nope + self.v_dim).transpose(0, 1)
-            out = ops.masked_attention(q, kv[..., : self.nope], kv[..., self.nope:], mask, self.scale)
+            out = ops.masked_attention(q, kv[..., : self.nope], kv[..., self.nope :], mask, self.scale)
         return F.linear(out.transpose(0, 1).reshape(t, -1), self.o), mask

@@ -16,7 +16,7 @@ class LinearAttention:
     def __init__(self, config, weights, prefix: str, layer: int):
         self.layer, self.heads, self.dim = layer, config.linear_num_heads, config.linear_head_dim
         self.lower_bound, self.eps = config.linear_lower_bound, config.rms_norm_eps
-        w = {name[len(prefix) + 1:]: t for name, t in weights.items() if name.startswith(prefix + ".")}
+        w = {name[len(prefix) + 1 :]: t for name, t in weights.items() if name.startswith(prefix + ".")}
         self.q, self.k, self.v = w["q_proj.weight"], w["k_proj.weight"], w["v_proj.weight"]
         self.conv = w["conv1d.weight"].reshape(w["conv1d.weight"].shape[0], -1)
         self.f_a, self.f_b = w["forget_gate.f_a_proj.weight"], w["forget_gate.f_b_proj.weight"]

@@ -23,8 +23,13 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
 
 
 def machine() -> dict:
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-            "memory_GiB": round(psutil.virtual_memory().total / 2**30, 1), "processor": platform.processor()}
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "memory_GiB": round(psutil.virtual_memory().total / 2**30, 1),
+        "processor": platform.processor(),
+    }
 
 
 def drop_page_cache() -> str:

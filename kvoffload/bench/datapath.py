@@ -46,8 +46,16 @@ def _moved(items: list, half: int) -> list:
     return [replace(p, block=p.block + half) for p in items]
 
 
-def run(quick: bool = False, preset: str = "pruned-4l", block_size: int = 64, blocks: int = 256,
-        repeats: int = 7, disk_dir: str | None = None, progress=None, mla_blocks: int = 2048) -> dict:
+def run(
+    quick: bool = False,
+    preset: str = "pruned-4l",
+    block_size: int = 64,
+    blocks: int = 256,
+    repeats: int = 7,
+    disk_dir: str | None = None,
+    progress=None,
+    mla_blocks: int = 2048,
+) -> dict:
     from glm_integration.cache import PagedCache
     from glm_integration.config import preset as make_preset
 
@@ -59,24 +67,38 @@ def run(quick: bool = False, preset: str = "pruned-4l", block_size: int = 64, bl
     cache = PagedCache(make_preset(preset), block_size, max(blocks, 2 * mla_blocks), device=device)
     cache.buffer.random_(0, 256)
     progress = progress or (lambda message: None)
-    workloads = {"all_groups": ({GroupKind.PAGED, GroupKind.STATE}, blocks // 2),
-                 "mla_pages": ({GroupKind.PAGED}, mla_blocks)}
+    workloads = {
+        "all_groups": ({GroupKind.PAGED, GroupKind.STATE}, blocks // 2),
+        "mla_pages": ({GroupKind.PAGED}, mla_blocks),
+    }
     results = {}
     for name, (kinds, half) in workloads.items():
         results[name] = _memory_tier(cache, kinds, half, device, repeats)
-        progress(f"[bench datapath] {name} memory tier: {results[name]['bytes'] / 2**30:.2f} GiB each way; "
-                 + ", ".join(f"{k} {v}" for k, v in results[name]["ratios"].items()))
+        progress(
+            f"[bench datapath] {name} memory tier: {results[name]['bytes'] / 2**30:.2f} GiB each way; "
+            + ", ".join(f"{k} {v}" for k, v in results[name]["ratios"].items())
+        )
     with tempfile.TemporaryDirectory(dir=disk_dir, prefix="kvoffload-datapath-") as tmp:
-        results["all_groups"]["tiered_lmdb"] = _tiered(cache, workloads["all_groups"][0], blocks // 2, device,
-                                                       max(2, repeats // 2), tmp)
+        results["all_groups"]["tiered_lmdb"] = _tiered(
+            cache, workloads["all_groups"][0], blocks // 2, device, max(2, repeats // 2), tmp
+        )
         progress(f"[bench datapath] tiered+lmdb: {results['all_groups']['tiered_lmdb']['ratios']}")
-        results["all_groups"]["lmdb_page_cache"] = _lmdb_resident(cache, workloads["all_groups"][0], blocks // 2,
-                                                                  device, repeats, tmp)
+        results["all_groups"]["lmdb_page_cache"] = _lmdb_resident(
+            cache, workloads["all_groups"][0], blocks // 2, device, repeats, tmp
+        )
         progress(f"[bench datapath] lmdb in the page cache: {results['all_groups']['lmdb_page_cache']}")
-    return {"benchmark": "datapath", "quick": quick, "machine": {**machine(), "device": _device_name(device)},
-            "geometry": {"preset": preset, "block_size": block_size, "blocks_per_workload":
-                         {name: half for name, (_, half) in workloads.items()}, "repeats": repeats},
-            "results": results}
+    return {
+        "benchmark": "datapath",
+        "quick": quick,
+        "machine": {**machine(), "device": _device_name(device)},
+        "geometry": {
+            "preset": preset,
+            "block_size": block_size,
+            "blocks_per_workload": {name: half for name, (_, half) in workloads.items()},
+            "repeats": repeats,
+        },
+        "results": results,
+    }
 
 
 def _raw(nbytes: int, device, repeats: int) -> dict:
@@ -93,9 +115,11 @@ def _raw(nbytes: int, device, repeats: int) -> dict:
         with torch.cuda.stream(streams[1]) if streams else nullcontext():
             back.copy_(host_in, non_blocking=gpu)
 
-    rows = {"raw_memcpy_save_GBps": _median_gbps(save, nbytes, repeats, device),
-            "raw_memcpy_load_GBps": _median_gbps(load, nbytes, repeats, device),
-            "raw_memcpy_both_GBps": _median_gbps(lambda: (save(), load()), 2 * nbytes, repeats, device)}
+    rows = {
+        "raw_memcpy_save_GBps": _median_gbps(save, nbytes, repeats, device),
+        "raw_memcpy_load_GBps": _median_gbps(load, nbytes, repeats, device),
+        "raw_memcpy_both_GBps": _median_gbps(lambda: (save(), load()), 2 * nbytes, repeats, device),
+    }
     return rows
 
 
@@ -134,16 +158,28 @@ def _memory_tier(cache, kinds, half: int, device, repeats: int) -> dict:
         both.append(_both(saver, loader, store, next_items, _moved(items, half), device))
     _check_round_trip(cache, items, half)
     median = lambda xs, n=nbytes: round(n / float(np.median(xs)) / 1e9, 2)  # noqa: E731
-    rows.update({"arena_save_GBps": median(saves), "arena_load_GBps": median(loads),
-                 "arena_both_GBps": median(both, 2 * nbytes),
-                 "first_fill_save_GBps": round(nbytes / first_fill / 1e9, 2)})
+    rows.update(
+        {
+            "arena_save_GBps": median(saves),
+            "arena_load_GBps": median(loads),
+            "arena_both_GBps": median(both, 2 * nbytes),
+            "first_fill_save_GBps": round(nbytes / first_fill / 1e9, 2),
+        }
+    )
     stats = store.stats()
     store.close()
     ratio = lambda a, b: round(rows[a] / rows[b], 3)  # noqa: E731
-    return {"pages": len(probe), "bytes": nbytes, **rows, "arena_evictions": stats["evictions"],
-            "ratios": {"save_vs_memcpy": ratio("arena_save_GBps", "raw_memcpy_save_GBps"),
-                       "load_vs_memcpy": ratio("arena_load_GBps", "raw_memcpy_load_GBps"),
-                       "both_vs_memcpy": ratio("arena_both_GBps", "raw_memcpy_both_GBps")}}
+    return {
+        "pages": len(probe),
+        "bytes": nbytes,
+        **rows,
+        "arena_evictions": stats["evictions"],
+        "ratios": {
+            "save_vs_memcpy": ratio("arena_save_GBps", "raw_memcpy_save_GBps"),
+            "load_vs_memcpy": ratio("arena_load_GBps", "raw_memcpy_load_GBps"),
+            "both_vs_memcpy": ratio("arena_both_GBps", "raw_memcpy_both_GBps"),
+        },
+    }
 
 
 def _all(ok: list[bool], what: str) -> None:
@@ -163,8 +199,10 @@ def _both(saver, loader, store, save_items, load_items, device) -> float:
 
     _sync(device)
     start = time.perf_counter()
-    threads = [threading.Thread(target=work, args=(lambda: _all(saver.save(store, save_items), "save"),)),
-               threading.Thread(target=work, args=(lambda: _all(loader.load(store, load_items), "load"),))]
+    threads = [
+        threading.Thread(target=work, args=(lambda: _all(saver.save(store, save_items), "save"),)),
+        threading.Thread(target=work, args=(lambda: _all(loader.load(store, load_items), "load"),)),
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -182,7 +220,7 @@ def _check_round_trip(cache, items, half: int) -> None:
 
     for p in items[:64]:
         for (src, n), (dst, _) in zip(page_spans(p.group, p.block), page_spans(p.group, p.block + half)):
-            if not torch.equal(cache.buffer[src:src + n], cache.buffer[dst:dst + n]):
+            if not torch.equal(cache.buffer[src : src + n], cache.buffer[dst : dst + n]):
                 raise RuntimeError(f"bench datapath: block {p.block} of {p.group.name} came back different")
 
 
@@ -190,8 +228,10 @@ def _tiered(cache, kinds, half: int, device, repeats: int, tmp: str) -> dict:
     items = _pages(cache.layout, range(half), kinds, "probe")
     nbytes = _nbytes(items)
     lmdb_capacity = (repeats + 1) * nbytes + (256 << 20)
-    url = (f"tiered://?memory={2 * nbytes + (256 << 20)}&lmdb={tmp}/store&lmdb_capacity={lmdb_capacity}"
-           f"&behind_bytes={2 * nbytes}")
+    url = (
+        f"tiered://?memory={2 * nbytes + (256 << 20)}&lmdb={tmp}/store&lmdb_capacity={lmdb_capacity}"
+        f"&behind_bytes={2 * nbytes}"
+    )
     store = open_store(url)
     if not isinstance(store, TieredStore):
         raise TypeError(f"bench datapath: {url} opened a {type(store).__name__}, not a tiered store")
@@ -218,13 +258,20 @@ def _tiered(cache, kinds, half: int, device, repeats: int, tmp: str) -> dict:
         store.close()
         raw_reads.append(_raw_read(tmp, nbytes))
     gbps = lambda xs: round(nbytes / float(np.median(xs)) / 1e9, 2)  # noqa: E731
-    rows: dict[str, Any] = {"bytes": nbytes, "engine_wait_GBps": gbps(waits), "drain_GBps": gbps(drains),
-            "raw_write_fsync_GBps": gbps(raw_writes), "lmdb_only_load_GBps": gbps(loads),
-            "raw_sequential_read_GBps": gbps(raw_reads), "behind_written": stats.get("behind_written"),
-            "behind_dropped": stats.get("behind_dropped")}
-    rows["ratios"] = {"drain_vs_write_fsync": round(rows["drain_GBps"] / rows["raw_write_fsync_GBps"], 3),
-                      "lmdb_load_vs_sequential_read": round(rows["lmdb_only_load_GBps"]
-                                                            / rows["raw_sequential_read_GBps"], 3)}
+    rows: dict[str, Any] = {
+        "bytes": nbytes,
+        "engine_wait_GBps": gbps(waits),
+        "drain_GBps": gbps(drains),
+        "raw_write_fsync_GBps": gbps(raw_writes),
+        "lmdb_only_load_GBps": gbps(loads),
+        "raw_sequential_read_GBps": gbps(raw_reads),
+        "behind_written": stats.get("behind_written"),
+        "behind_dropped": stats.get("behind_dropped"),
+    }
+    rows["ratios"] = {
+        "drain_vs_write_fsync": round(rows["drain_GBps"] / rows["raw_write_fsync_GBps"], 3),
+        "lmdb_load_vs_sequential_read": round(rows["lmdb_only_load_GBps"] / rows["raw_sequential_read_GBps"], 3),
+    }
     return rows
 
 
@@ -239,7 +286,8 @@ def timed_load(loader, store, items, device) -> float:
 def _lmdb_resident(cache, kinds, half: int, device, repeats: int, tmp: str) -> dict:
     """Load a prefix from `lmdb://` whose data file is in the page cache (just written), with one reader
     and with READERS threads, against a threaded raw read of the file into pinned memory."""
-    from ..store.lmdb_store import READERS, LMDBStore
+    from ..store.lmdb_reads import READERS
+    from ..store.lmdb_store import LMDBStore
 
     items = _pages(cache.layout, range(half), kinds, "resident")
     nbytes = _nbytes(items)
@@ -254,12 +302,15 @@ def _lmdb_resident(cache, kinds, half: int, device, repeats: int, tmp: str) -> d
         with LMDBStore(path, capacity, readers=readers) as store:
             timed_load(loader, store, into, device)  # the map's pages faulted in once, as in a running engine
             rows[f"load_GBps_{readers}_readers"] = round(
-                nbytes / float(np.median([timed_load(loader, store, into, device) for _ in range(repeats)])) / 1e9, 2)
+                nbytes / float(np.median([timed_load(loader, store, into, device) for _ in range(repeats)])) / 1e9, 2
+            )
     _check_round_trip(cache, items, half)
-    rows["raw_threaded_read_GBps"] = round(nbytes / _raw_threaded_read(os.path.join(path, "data.mdb"), nbytes,
-                                                                       READERS, repeats) / 1e9, 2)
-    rows["ratios"] = {"load_vs_threaded_read": round(rows[f"load_GBps_{READERS}_readers"]
-                                                     / rows["raw_threaded_read_GBps"], 3)}
+    rows["raw_threaded_read_GBps"] = round(
+        nbytes / _raw_threaded_read(os.path.join(path, "data.mdb"), nbytes, READERS, repeats) / 1e9, 2
+    )
+    rows["ratios"] = {
+        "load_vs_threaded_read": round(rows[f"load_GBps_{READERS}_readers"] / rows["raw_threaded_read_GBps"], 3)
+    }
     return rows
 
 
@@ -270,10 +321,11 @@ def _raw_threaded_read(path: str, nbytes: int, threads: int, repeats: int) -> fl
     bounds = np.linspace(0, size, threads + 1).astype(np.int64)
     fd = os.open(path, os.O_RDONLY)
     try:
+
         def part(k: int) -> None:
             at, end = int(bounds[k]), int(bounds[k + 1])
             while at < end:
-                at += os.preadv(fd, [target[at:min(end, at + (64 << 20))].data], at)  # .data: its memoryview
+                at += os.preadv(fd, [target[at : min(end, at + (64 << 20))].data], at)  # .data: its memoryview
 
         def once() -> float:
             workers = [threading.Thread(target=part, args=(k,)) for k in range(threads)]
@@ -298,7 +350,7 @@ def _raw_write(tmp: str, nbytes: int, chunk: int = 64 << 20) -> float:
     with open(path, "wb") as f:
         left = nbytes
         while left > 0:
-            left -= f.write(data[:min(chunk, left)])
+            left -= f.write(data[: min(chunk, left)])
         f.flush()
         os.fsync(f.fileno())
     return time.perf_counter() - start
@@ -323,4 +375,3 @@ def _drop_file_cache(path: str) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-

@@ -39,7 +39,9 @@ def value_of(key):
     return body.tobytes()[:n]
 '''
 
-KILLED_WRITER = WORKLOAD + r'''
+KILLED_WRITER = (
+    WORKLOAD
+    + r"""
 import os, sys
 from kvoffload import open_store
 url, ack_path, rnd = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -53,9 +55,12 @@ for i in range(1_000_000):
         acks.write("".join(k.decode() + "\n" for k in keys))
         acks.flush()
         os.fsync(acks.fileno())
-'''
+"""
+)
 
-READ_ALL = WORKLOAD + r'''
+READ_ALL = (
+    WORKLOAD
+    + r"""
 import json, sys
 from kvoffload import open_store
 url, keys = sys.argv[1], sys.argv[2].split(",")
@@ -68,9 +73,12 @@ with open_store(url) as store:
     assert store.put(b"after", b"works") and store.get(b"after") == b"works"
     out["reset"] = store.stats().get("damaged_files_reset", 0)
 print(json.dumps(out))
-'''
+"""
+)
 
-HAMMER = WORKLOAD + r'''
+HAMMER = (
+    WORKLOAD
+    + r"""
 import faulthandler, json, os, signal, sys, threading, time
 from kvoffload import open_store
 
@@ -148,7 +156,8 @@ else:
 with open(result_path, "w") as f:
     json.dump({"errors": errors[:20], "acked": acked, "ops": ops[0],
                "stats": {k: v for k, v in stats.items() if isinstance(v, int)}}, f)
-'''
+"""
+)
 
 _ns: dict = {}
 exec(compile(WORKLOAD, "<faults workload>", "exec"), _ns)
@@ -177,8 +186,14 @@ def kill_rounds(directory: str, rounds: int, seed: int = 0) -> dict:
     url = f"lmdb://{directory}/killed?capacity=1GiB"
     ack_path = os.path.join(directory, "acks")
     rng = random.Random(seed)
-    out: dict[str, Any] = {"rounds": rounds, "acknowledged": 0, "checks": 0, "lost": 0, "wrong_bytes": 0,
-                           "unacknowledged_served": 0}
+    out: dict[str, Any] = {
+        "rounds": rounds,
+        "acknowledged": 0,
+        "checks": 0,
+        "lost": 0,
+        "wrong_bytes": 0,
+        "unacknowledged_served": 0,
+    }
     from ..store import open_store
 
     for rnd in range(rounds):
@@ -235,16 +250,30 @@ def corruption_trials(directory: str, trials: int, seed: int = 0) -> dict:
     with open_store(f"lmdb://{pristine}?capacity=4MiB") as store:
         assert all(store.put_many([(k, value_of(k)) for k in keys]))
     rng = random.Random(seed)
-    out: dict[str, Any] = {"trials": trials, "kinds": {}, "reads": 0, "served": 0, "misses": 0, "wrong_bytes": 0,
-                           "resets": 0, "crashed_or_failed": 0}
+    out: dict[str, Any] = {
+        "trials": trials,
+        "kinds": {},
+        "reads": 0,
+        "served": 0,
+        "misses": 0,
+        "wrong_bytes": 0,
+        "resets": 0,
+        "crashed_or_failed": 0,
+    }
     for _ in range(trials):
         trial = os.path.join(directory, "trial")
         shutil.rmtree(trial, ignore_errors=True)
         shutil.copytree(pristine, trial)
         kind = _damage(trial, rng)
         out["kinds"][kind] = out["kinds"].get(kind, 0) + 1
-        child = _child(READ_ALL, f"lmdb://{trial}?capacity=4MiB", ",".join(k.decode() for k in keys),
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        child = _child(
+            READ_ALL,
+            f"lmdb://{trial}?capacity=4MiB",
+            ",".join(k.decode() for k in keys),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         stdout, _ = child.communicate(timeout=120)
         if child.returncode != 0:
             out["crashed_or_failed"] += 1
@@ -257,8 +286,9 @@ def corruption_trials(directory: str, trials: int, seed: int = 0) -> dict:
     return out
 
 
-def concurrency(directory: str, seconds: float = 12.0, capacity: int = 48 << 20, procs: int = 3,
-                stall_seconds: float = 40.0) -> list[dict]:
+def concurrency(
+    directory: str, seconds: float = 12.0, capacity: int = 48 << 20, procs: int = 3, stall_seconds: float = 40.0
+) -> list[dict]:
     """`procs - 1` processes of two writer and two reader threads putting 0.25-3 MiB values into a store
     far smaller than what they write, and one process opening, writing, reading and closing it with
     another capacity every other time. Returns each process's report; raises `Stall` on a stall."""
@@ -269,12 +299,26 @@ def concurrency(directory: str, seconds: float = 12.0, capacity: int = 48 << 20,
         for p in range(procs):
             beats.append(os.path.join(directory, f"beat{p}"))
             results.append(os.path.join(directory, f"result{p}.json"))
-            children.append(_child(HAMMER, url, str(p), str(procs), str(seconds), beats[-1], results[-1],
-                                   reopen if p == procs - 1 else "-",
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+            children.append(
+                _child(
+                    HAMMER,
+                    url,
+                    str(p),
+                    str(procs),
+                    str(seconds),
+                    beats[-1],
+                    results[-1],
+                    reopen if p == procs - 1 else "-",
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                )
+            )
         _watch(children, beats, stall_seconds, deadline=time.monotonic() + seconds + 180)
-        failed = [f"process {i} exited {c.returncode}: {c.communicate()[1].decode()[-2000:]}"
-                  for i, c in enumerate(children) if c.returncode != 0]
+        failed = [
+            f"process {i} exited {c.returncode}: {c.communicate()[1].decode()[-2000:]}"
+            for i, c in enumerate(children)
+            if c.returncode != 0
+        ]
         if failed:
             raise AssertionError("\n".join(failed))
     finally:
@@ -325,12 +369,20 @@ def run(quick: bool = False, progress=None) -> dict:
         say(f"[bench faults] {damage}; threads x processes")
         reports = concurrency(work, seconds=4 if quick else 30)
         bad = ("checksum_failures", "bad_header", "length_mismatch", "read_errors", "damaged_files_reset")
-        together = {"processes": len(reports), "operations": sum(r["ops"] for r in reports),
-                    "wrong_bytes": sum(len(r["errors"]) for r in reports),
-                    "evictions": sum(r["stats"].get("evictions", 0) for r in reports),
-                    "verification_failures": sum(r["stats"].get(n, 0) for r in reports for n in bad)}
+        together = {
+            "processes": len(reports),
+            "operations": sum(r["ops"] for r in reports),
+            "wrong_bytes": sum(len(r["errors"]) for r in reports),
+            "evictions": sum(r["stats"].get("evictions", 0) for r in reports),
+            "verification_failures": sum(r["stats"].get(n, 0) for r in reports for n in bad),
+        }
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return {"benchmark": "faults", "quick": quick, "date": time.strftime("%Y-%m-%d"), "machine": machine(),
-            "targets": {"wrong_bytes": 0, "lost": 0, "crashed_or_failed": 0},
-            "results": {"sigkill": kills, "corruption": damage, "concurrency": together}}
+    return {
+        "benchmark": "faults",
+        "quick": quick,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine(),
+        "targets": {"wrong_bytes": 0, "lost": 0, "crashed_or_failed": 0},
+        "results": {"sigkill": kills, "corruption": damage, "concurrency": together},
+    }

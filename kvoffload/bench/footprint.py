@@ -49,17 +49,22 @@ def _row(name: str, config, tp: int, block_size: int, source: str) -> dict:
     # vLLM overlays its groups: a packed block is as wide as the widest group's pages.
     widest = max(sum(r.page_bytes * r.num_layers for r in g.regions) for g in layout.groups)
     whole = len(cacheable) * widest / block_size
-    return {"preset": name, "tp": tp, "block_size": block_size, "block_source": source,
-            "stored_bytes_per_token_per_rank": per_rank,
-            "by_group": {g.name: g.used_bytes_per_block / block_size for g in cacheable},
-            "replicated_groups": [g.name for g in cacheable if g.tp_replicas > 1],
-            "per_tp_group_bytes_per_token_before": per_rank * tp,  # every rank its own copy of everything
-            "per_tp_group_bytes_per_token_after": per_group_after,  # replicated groups once per TP group
-            "tp_group_saving": round(1 - per_group_after / (per_rank * tp), 4),
-            "tail_ring_bytes_per_token": 0.0,
-            "whole_packed_block_per_group_key_bytes_per_token": whole,
-            "amplification_of_whole_block_scheme": round(whole / per_rank, 3),
-            "our_amplification": 1.0}
+    return {
+        "preset": name,
+        "tp": tp,
+        "block_size": block_size,
+        "block_source": source,
+        "stored_bytes_per_token_per_rank": per_rank,
+        "by_group": {g.name: g.used_bytes_per_block / block_size for g in cacheable},
+        "replicated_groups": [g.name for g in cacheable if g.tp_replicas > 1],
+        "per_tp_group_bytes_per_token_before": per_rank * tp,  # every rank its own copy of everything
+        "per_tp_group_bytes_per_token_after": per_group_after,  # replicated groups once per TP group
+        "tp_group_saving": round(1 - per_group_after / (per_rank * tp), 4),
+        "tail_ring_bytes_per_token": 0.0,
+        "whole_packed_block_per_group_key_bytes_per_token": whole,
+        "amplification_of_whole_block_scheme": round(whole / per_rank, 3),
+        "our_amplification": 1.0,
+    }
 
 
 def run(quick: bool = False, block_size: int = RUNNER_BLOCK, progress=None) -> dict:
@@ -75,10 +80,17 @@ def run(quick: bool = False, block_size: int = RUNNER_BLOCK, progress=None) -> d
                 row = _row(name, config, tp, size, source)
                 rows.append(row)
                 if progress:
-                    progress(f"[bench footprint] {name} TP{tp} block {size} ({source}): "
-                             f"{row['stored_bytes_per_token_per_rank']:.0f} B/token per rank; per TP group "
-                             f"{row['per_tp_group_bytes_per_token_before']:.0f} -> "
-                             f"{row['per_tp_group_bytes_per_token_after']:.0f}; whole-block scheme "
-                             f"{row['amplification_of_whole_block_scheme']}x")
-    return {"benchmark": "footprint", "quick": quick, "date": time.strftime("%Y-%m-%d"), "machine": machine(),
-            "results": rows}
+                    progress(
+                        f"[bench footprint] {name} TP{tp} block {size} ({source}): "
+                        f"{row['stored_bytes_per_token_per_rank']:.0f} B/token per rank; per TP group "
+                        f"{row['per_tp_group_bytes_per_token_before']:.0f} -> "
+                        f"{row['per_tp_group_bytes_per_token_after']:.0f}; whole-block scheme "
+                        f"{row['amplification_of_whole_block_scheme']}x"
+                    )
+    return {
+        "benchmark": "footprint",
+        "quick": quick,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine(),
+        "results": rows,
+    }

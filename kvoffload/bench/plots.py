@@ -24,9 +24,14 @@ def _bars(ax, labels, series: dict[str, list[float]]):
 
 def _store(ax, result):
     sizes = [r["value_bytes"] / 1024 for r in result["results"]]
-    for key, label in (("memcpy_GBps", "memcpy"), ("memory_get_GBps", "memory get"),
-                       ("raw_write_fsync_GBps", "raw write+fsync"), ("lmdb_put_GBps", "LMDB put"),
-                       ("raw_read_GBps", "raw read"), ("lmdb_get_GBps", "LMDB get")):
+    for key, label in (
+        ("memcpy_GBps", "memcpy"),
+        ("memory_get_GBps", "memory get"),
+        ("raw_write_fsync_GBps", "raw write+fsync"),
+        ("lmdb_put_GBps", "LMDB put"),
+        ("raw_read_GBps", "raw read"),
+        ("lmdb_get_GBps", "LMDB get"),
+    ):
         ax.plot(sizes, [r[key] for r in result["results"]], marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set(xlabel="value size (KiB)", ylabel="GB/s", title="Store throughput vs same-run baselines")
@@ -34,9 +39,14 @@ def _store(ax, result):
 
 def _footprint(ax, result):
     rows = [r for r in result["results"] if r.get("block_source", "vllm") == "vllm"]
-    _bars(ax, [f"{r['preset']} TP{r['tp']}\nblock {r['block_size']}" for r in rows],
-          {"every rank stores everything": [r["per_tp_group_bytes_per_token_before"] for r in rows],
-           "replicated groups once per TP group": [r["per_tp_group_bytes_per_token_after"] for r in rows]})
+    _bars(
+        ax,
+        [f"{r['preset']} TP{r['tp']}\nblock {r['block_size']}" for r in rows],
+        {
+            "every rank stores everything": [r["per_tp_group_bytes_per_token_before"] for r in rows],
+            "replicated groups once per TP group": [r["per_tp_group_bytes_per_token_after"] for r in rows],
+        },
+    )
     ax.set_yscale("log")
     ax.set(ylabel="bytes stored per token per TP group", title="Footprint per cached token at vLLM's block size")
 
@@ -44,8 +54,11 @@ def _footprint(ax, result):
 def _ttft(ax, result):
     rows = result["results"]
     x = [r["prefix_tokens"] for r in rows]
-    for key, label in (("cold_ms", "cold prefill"), ("warm_memory_ms", "warm from memory"),
-                       ("warm_lmdb_ms", "warm from LMDB")):
+    for key, label in (
+        ("cold_ms", "cold prefill"),
+        ("warm_memory_ms", "warm from memory"),
+        ("warm_lmdb_ms", "warm from LMDB"),
+    ):
         ax.plot(x, [r[key] for r in rows], marker="o", label=label)
     ax.set(xlabel="prefix tokens", ylabel="ms", title="Bundled runner: time to first token", yscale="log")
 
@@ -63,9 +76,15 @@ def _vllm_ttft(ax, result):
 def _overhead(ax, result):
     names = list(result["results"])
     rows = result["results"]
-    _bars(ax, names, {"step ms": [rows[n]["step_ms"] for n in names],
-                      "engine thread CPU ms": [rows[n].get("step_cpu_ms", 0) for n in names],
-                      "ms inside the connector's hooks": [rows[n].get("connector_ms_per_step", 0) for n in names]})
+    _bars(
+        ax,
+        names,
+        {
+            "step ms": [rows[n]["step_ms"] for n in names],
+            "engine thread CPU ms": [rows[n].get("step_cpu_ms", 0) for n in names],
+            "ms inside the connector's hooks": [rows[n].get("connector_ms_per_step", 0) for n in names],
+        },
+    )
     ax.set(ylabel="ms per engine step", title="Connector cost with no hits (vLLM CPU engine)")
 
 
@@ -90,8 +109,10 @@ def _datapath(ax, result):
             series["raw baseline"].append(row[f"raw_memcpy_{direction}_GBps"])
             series["kvoffload"].append(row[f"arena_{direction}_GBps"])
     tiered = result["results"]["all_groups"]["tiered_lmdb"]
-    for label, raw, ours in (("LMDB drain\n(write+fsync)", "raw_write_fsync_GBps", "drain_GBps"),
-                             ("LMDB-only load\n(sequential read)", "raw_sequential_read_GBps", "lmdb_only_load_GBps")):
+    for label, raw, ours in (
+        ("LMDB drain\n(write+fsync)", "raw_write_fsync_GBps", "drain_GBps"),
+        ("LMDB-only load\n(sequential read)", "raw_sequential_read_GBps", "lmdb_only_load_GBps"),
+    ):
         labels.append(label)
         series["raw baseline"].append(tiered[raw])
         series["kvoffload"].append(tiered[ours])
@@ -101,21 +122,35 @@ def _datapath(ax, result):
 
 def _redis(ax, result):
     rows = result["results"]
-    _bars(ax, [f"{r['value_KiB']} KiB" for r in rows],
-          {"raw SET": [r["raw_set_GBps"] for r in rows], "kvoffload save": [r["save_GBps"] for r in rows],
-           "raw GET": [r["raw_get_GBps"] for r in rows], "kvoffload load": [r["load_GBps"] for r in rows]})
+    _bars(
+        ax,
+        [f"{r['value_KiB']} KiB" for r in rows],
+        {
+            "raw SET": [r["raw_set_GBps"] for r in rows],
+            "kvoffload save": [r["save_GBps"] for r in rows],
+            "raw GET": [r["raw_get_GBps"] for r in rows],
+            "kvoffload load": [r["load_GBps"] for r in rows],
+        },
+    )
     ax.set(ylabel="GB/s", title="Redis tier vs raw SET/GET through the same client")
 
 
 def _faults(ax, result):
     r = result["results"]
     sigkill = r["sigkill"]
-    rows = {"SIGKILL: acknowledged entries": (sigkill["acknowledged"], sigkill["lost"] + sigkill["wrong_bytes"]),
-            "damaged stores: reads": (r["corruption"]["reads"],
-                                      r["corruption"]["wrong_bytes"] + r["corruption"]["crashed_or_failed"]),
-            "threads x processes: operations": (r["concurrency"]["operations"], r["concurrency"]["wrong_bytes"])}
-    _bars(ax, list(rows), {"checked": [v[0] for v in rows.values()],
-                           "lost, wrong or crashed": [v[1] for v in rows.values()]})
+    rows = {
+        "SIGKILL: acknowledged entries": (sigkill["acknowledged"], sigkill["lost"] + sigkill["wrong_bytes"]),
+        "damaged stores: reads": (
+            r["corruption"]["reads"],
+            r["corruption"]["wrong_bytes"] + r["corruption"]["crashed_or_failed"],
+        ),
+        "threads x processes: operations": (r["concurrency"]["operations"], r["concurrency"]["wrong_bytes"]),
+    }
+    _bars(
+        ax,
+        list(rows),
+        {"checked": [v[0] for v in rows.values()], "lost, wrong or crashed": [v[1] for v in rows.values()]},
+    )
     ax.set_yscale("log")
     ax.set(ylabel="count (log)", title="LMDB fault campaign: every byte checked (no orange bar: nothing lost)")
 
@@ -134,43 +169,77 @@ def _stall(ax, result):
 
 def _trace(ax, result):
     rows = result["results"]
-    short = (("memory + disk ", "disk "), (" GiB", "G"), ("store everything", "all"), ("memory only", "memory"),
-             (", S3-FIFO memory", ", S3-FIFO"), ("no offload", "none"), (", ", "\n"))
+    short = (
+        ("memory + disk ", "disk "),
+        (" GiB", "G"),
+        ("store everything", "all"),
+        ("memory only", "memory"),
+        (", S3-FIFO memory", ", S3-FIFO"),
+        ("no offload", "none"),
+        (", ", "\n"),
+    )
     labels = []
     for row in rows:
         labels.append(row["policy"])
         for long, brief in short:
             labels[-1] = labels[-1].replace(long, brief)
     everything = next(r for r in rows if r["disk_capacity"] and r["admit"] == 1)["disk_written_bytes"]
-    _bars(ax, labels, {"token hit rate (%)": [100 * r["hit_rate_tokens"] for r in rows],
-                       "disk written (% of store-everything)": [
-                           100 * r["disk_written_bytes"] / max(everything, 1) for r in rows]})
+    _bars(
+        ax,
+        labels,
+        {
+            "token hit rate (%)": [100 * r["hit_rate_tokens"] for r in rows],
+            "disk written (% of store-everything)": [100 * r["disk_written_bytes"] / max(everything, 1) for r in rows],
+        },
+    )
     ax.set(ylabel="%", title=f"Policies on a trace of {result['requests']} requests (block {result['block_size']})")
 
 
 def _prefetch(ax, result):
     rows = result["results"]
-    _bars(ax, [name.replace("tiered_", "tiered\n") for name in rows],
-          {"time to first token (ms)": [r["ttft_ms"] for r in rows.values()],
-           "after the slot freed (ms)": [r["after_slot_ms"] for r in rows.values()]})
+    _bars(
+        ax,
+        [name.replace("tiered_", "tiered\n") for name in rows],
+        {
+            "time to first token (ms)": [r["ttft_ms"] for r in rows.values()],
+            "after the slot freed (ms)": [r["after_slot_ms"] for r in rows.values()],
+        },
+    )
     ax.set(ylabel="ms (median)", title="A queued request, its prefix on LMDB only: with and without prefetch")
 
 
 def _warmstart(ax, result):
     rows = [r for r in result["results"] if r["warm_start"]]
     cold = {(r["block_size"], r["prefix_tokens"]): r for r in result["results"] if not r["warm_start"]}
-    _bars(ax, [f"block {r['block_size']}\n{r['prefix_tokens']} tok" for r in rows],
-          {"first restore, warm start": [r["first_of_raw"] for r in rows],
-           "first restore, set up on first use": [cold[(r["block_size"], r["prefix_tokens"])]["first_of_raw"]
-                                                  for r in rows],
-           "second restore": [r["second_of_raw"] for r in rows]})
+    _bars(
+        ax,
+        [f"block {r['block_size']}\n{r['prefix_tokens']} tok" for r in rows],
+        {
+            "first restore, warm start": [r["first_of_raw"] for r in rows],
+            "first restore, set up on first use": [
+                cold[(r["block_size"], r["prefix_tokens"])]["first_of_raw"] for r in rows
+            ],
+            "second restore": [r["second_of_raw"] for r in rows],
+        },
+    )
     ax.set(ylabel="of a raw pinned copy of the same bytes", title="The first restore of a fresh process")
 
 
-DRAW = {"store": _store, "footprint": _footprint, "ttft": _ttft, "vllm-ttft": _vllm_ttft, "overhead": _overhead,
-        "transfer": _transfer, "redis": _redis, "faults": _faults,
-        "datapath": _datapath, "stall": _stall, "trace": _trace,
-        "prefetch": _prefetch, "warmstart": _warmstart}
+DRAW = {
+    "store": _store,
+    "footprint": _footprint,
+    "ttft": _ttft,
+    "vllm-ttft": _vllm_ttft,
+    "overhead": _overhead,
+    "transfer": _transfer,
+    "redis": _redis,
+    "faults": _faults,
+    "datapath": _datapath,
+    "stall": _stall,
+    "trace": _trace,
+    "prefetch": _prefetch,
+    "warmstart": _warmstart,
+}
 
 
 def plot(result: dict, json_path: str) -> str:

@@ -32,14 +32,25 @@ from .vllm_models import tiny_llama
 BLOCK = 32
 # Wide KV (8 KV heads of 128, 4 layers, float32): 32 KiB per token, so a prefix is tens of MB and its
 # load is visible beside a tiny model's compute.
-MODEL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=8, head_dim=128, max_position_embeddings=4096)
+MODEL = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=4096,
+)
 NAMES = ("none", "tiered_no_prefetch", "tiered_prefetch")
 
 
 def _connector(store: str, **extra) -> dict:
-    return {"kv_connector": "KVOffloadConnector", "kv_connector_module_path": "kvoffload.connectors.vllm",
-            "kv_role": "kv_both", "kv_connector_extra_config": {"store": store, **extra}}
+    return {
+        "kv_connector": "KVOffloadConnector",
+        "kv_connector_module_path": "kvoffload.connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"store": store, **extra},
+    }
 
 
 def _tiered(directory: str) -> str:
@@ -64,16 +75,25 @@ def run(quick: bool = False, progress=None) -> dict:
             shutil.copytree(f"{tmp}/written", directory)
         token_bytes = 2 * MODEL["num_hidden_layers"] * MODEL["num_key_value_heads"] * MODEL["head_dim"] * 4
         prefix_bytes = prefix_tokens * token_bytes
-        configs = {"none": None, "tiered_no_prefetch": _connector(_tiered(stores["tiered_no_prefetch"]),
-                                                                  prefetch_bytes="0"),
-                   "tiered_prefetch": _connector(_tiered(stores["tiered_prefetch"]))}
+        configs = {
+            "none": None,
+            "tiered_no_prefetch": _connector(_tiered(stores["tiered_no_prefetch"]), prefetch_bytes="0"),
+            "tiered_prefetch": _connector(_tiered(stores["tiered_prefetch"])),
+        }
         with contextlib.ExitStack() as stack:
             engines = {}
             for name in NAMES:
                 say(f"[bench prefetch] starting the {name} engine")
                 engines[name] = stack.enter_context(
-                    Engine(model, configs[name], block_size=BLOCK, max_model_len=max_len, in_process=True,
-                           engine_kwargs={"max_num_seqs": 1}))
+                    Engine(
+                        model,
+                        configs[name],
+                        block_size=BLOCK,
+                        max_model_len=max_len,
+                        in_process=True,
+                        engine_kwargs={"max_num_seqs": 1},
+                    )
+                )
             for i, prompt in enumerate(prompts):
                 for k in range(len(NAMES)):
                     n = (i + k) % len(NAMES)
@@ -82,8 +102,16 @@ def run(quick: bool = False, progress=None) -> dict:
                     store = {"store": config["kv_connector_extra_config"]["store"]} if config else {}
                     if name in stores:
                         _drop_file_cache(f"{stores[name]}/data.mdb")
-                    rows[name].append(engines[name].call("queued", first=firsts[n][i], first_max_tokens=first_tokens,
-                                                         prompt=prompt, max_tokens=1, **store))
+                    rows[name].append(
+                        engines[name].call(
+                            "queued",
+                            first=firsts[n][i],
+                            first_max_tokens=first_tokens,
+                            prompt=prompt,
+                            max_tokens=1,
+                            **store,
+                        )
+                    )
                 say(f"[bench prefetch] round {i + 1}/{rounds} on every engine")
         _raw_write(tmp, prefix_bytes)
         raw_read_s = _raw_read(tmp, prefix_bytes)
@@ -95,18 +123,34 @@ def run(quick: bool = False, progress=None) -> dict:
         cached = [r["num_cached_tokens"] for r in measured]
         if name != "none" and min(cached) < prefix_tokens:
             raise AssertionError(f"{name}: a measured prompt did not get its whole prefix from the connector: {cached}")
-        counters = {k: sum(r["store"].get(k, 0) for r in measured)
-                    for k in ("prefetched", "memory_hits", "promotions")} if name != "none" else {}
-        results[name] = {"ttft_ms": round(statistics.median(r["ttft_s"] for r in measured) * 1e3, 1),
-                         "after_slot_ms": round(statistics.median(r["ttft_s"] - r["first_finished_s"]
-                                                                  for r in measured) * 1e3, 1),
-                         "cached_tokens": statistics.median(cached), **counters}
+        counters = (
+            {k: sum(r["store"].get(k, 0) for r in measured) for k in ("prefetched", "memory_hits", "promotions")}
+            if name != "none"
+            else {}
+        )
+        results[name] = {
+            "ttft_ms": round(statistics.median(r["ttft_s"] for r in measured) * 1e3, 1),
+            "after_slot_ms": round(statistics.median(r["ttft_s"] - r["first_finished_s"] for r in measured) * 1e3, 1),
+            "cached_tokens": statistics.median(cached),
+            **counters,
+        }
     ratio = results["tiered_prefetch"]["after_slot_ms"] / results["tiered_no_prefetch"]["after_slot_ms"]
     after = ", ".join(f"{k} {v['after_slot_ms']} ms" for k, v in results.items())
     say(f"[bench prefetch] after the slot freed: {after}; prefetch / no prefetch = {ratio:.2f}")
-    return {"benchmark": "prefetch", "quick": quick, "machine": machine(),
-            "workload": {"rounds": rounds, "prefix_tokens": prefix_tokens, "first_max_tokens": first_tokens,
-                         "block_size": BLOCK, "model": MODEL, "prefix_bytes_on_disk": prefix_bytes},
-            "raw_cold_read_ms": round(raw_read_s * 1e3, 1),
-            "raw_cold_read_GBps": round(prefix_bytes / raw_read_s / 1e9, 3),
-            "prefetch_vs_no_prefetch_after_slot": round(ratio, 3), "results": results}
+    return {
+        "benchmark": "prefetch",
+        "quick": quick,
+        "machine": machine(),
+        "workload": {
+            "rounds": rounds,
+            "prefix_tokens": prefix_tokens,
+            "first_max_tokens": first_tokens,
+            "block_size": BLOCK,
+            "model": MODEL,
+            "prefix_bytes_on_disk": prefix_bytes,
+        },
+        "raw_cold_read_ms": round(raw_read_s * 1e3, 1),
+        "raw_cold_read_GBps": round(prefix_bytes / raw_read_s / 1e9, 3),
+        "prefetch_vs_no_prefetch_after_slot": round(ratio, 3),
+        "results": results,
+    }

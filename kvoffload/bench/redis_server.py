@@ -40,14 +40,38 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, directory: str, *, password: str | None = None,
-                 maxmemory: str = "256mb", policy: str = "allkeys-lru", extra: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        directory: str,
+        *,
+        password: str | None = None,
+        maxmemory: str = "256mb",
+        policy: str = "allkeys-lru",
+        extra: tuple[str, ...] = (),
+    ):
         self.port = free_port()
         self.directory = os.path.join(directory, f"redis-{self.port}")
         os.makedirs(self.directory)
-        args = [binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.directory,
-                "--save", "", "--appendonly", "no", "--protected-mode", "no", "--maxmemory", maxmemory,
-                "--maxmemory-policy", policy, *extra]
+        args = [
+            binary(),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            self.directory,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "no",
+            "--maxmemory",
+            maxmemory,
+            "--maxmemory-policy",
+            policy,
+            *extra,
+        ]
         if password:
             args += ["--requirepass", password]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -49,11 +49,18 @@ def _row(store: RedisStore, kib: int, count: int, repeats: int) -> dict[str, Any
         assert all(store.read_many(keys, lambda i, view: None))
 
     row: dict[str, Any] = {
-        "value_KiB": kib, "values": count, "bytes": nbytes,
-        "raw_set_GBps": _gbps(raw_set, nbytes, repeats), "save_GBps": _gbps(save, nbytes, repeats),
-        "raw_get_GBps": _gbps(raw_get, nbytes, repeats), "load_GBps": _gbps(load, nbytes, repeats)}
-    row["ratios"] = {"save_vs_raw_set": round(row["save_GBps"] / row["raw_set_GBps"], 3),
-                     "load_vs_raw_get": round(row["load_GBps"] / row["raw_get_GBps"], 3)}
+        "value_KiB": kib,
+        "values": count,
+        "bytes": nbytes,
+        "raw_set_GBps": _gbps(raw_set, nbytes, repeats),
+        "save_GBps": _gbps(save, nbytes, repeats),
+        "raw_get_GBps": _gbps(raw_get, nbytes, repeats),
+        "load_GBps": _gbps(load, nbytes, repeats),
+    }
+    row["ratios"] = {
+        "save_vs_raw_set": round(row["save_GBps"] / row["raw_set_GBps"], 3),
+        "load_vs_raw_get": round(row["load_GBps"] / row["raw_get_GBps"], 3),
+    }
     return row
 
 
@@ -72,10 +79,18 @@ def run(quick: bool = False, repeats: int = 3, progress=None) -> dict:
                 row = _row(store, kib, count, repeats)
                 rows.append(row)
                 store.client.flushdb()
-                progress(f"[bench redis] {kib} KiB x {count}: save {row['save_GBps']} GB/s (raw SET "
-                         f"{row['raw_set_GBps']}), load {row['load_GBps']} GB/s (raw GET {row['raw_get_GBps']})")
+                progress(
+                    f"[bench redis] {kib} KiB x {count}: save {row['save_GBps']} GB/s (raw SET "
+                    f"{row['raw_set_GBps']}), load {row['load_GBps']} GB/s (raw GET {row['raw_get_GBps']})"
+                )
             store.close()
         finally:
             server.stop()
-    return {"benchmark": "redis", "quick": quick, "date": time.strftime("%Y-%m-%d"), "machine": machine(),
-            "server": "redis-server 6.2 on 127.0.0.1 (loopback TCP), no persistence", "results": rows}
+    return {
+        "benchmark": "redis",
+        "quick": quick,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine(),
+        "server": "redis-server 6.2 on 127.0.0.1 (loopback TCP), no persistence",
+        "results": rows,
+    }

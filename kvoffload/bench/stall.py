@@ -59,8 +59,11 @@ def _pct(values: list[float], q: int) -> float:
 
 
 def _summary(seconds: list[float]) -> dict:
-    return {"p50_ms": round(_pct(seconds, 50) * 1e3, 3), "p99_ms": round(_pct(seconds, 99) * 1e3, 3),
-            "steps": len(seconds)}
+    return {
+        "p50_ms": round(_pct(seconds, 50) * 1e3, 3),
+        "p99_ms": round(_pct(seconds, 99) * 1e3, 3),
+        "steps": len(seconds),
+    }
 
 
 RUNS_ON_GPU = 3  # the rounds split into this many runs, each judged on its own (and all pooled)
@@ -80,18 +83,27 @@ def _results(rows: dict, decoders: int, long_prefix: int) -> dict:
             expected = 0 if name == "none" or scenario == "save" else long_prefix
             if cached != [expected] * len(measured):
                 raise AssertionError(f"{name} {scenario}: long prompt cached tokens {cached}, expected {expected}")
-            in_flight = [s["s"] for m in measured for s in m["window"][:m["long_left_step"]] if s["long"] == 0]
+            in_flight = [s["s"] for m in measured for s in m["window"][: m["long_left_step"]] if s["long"] == 0]
             results[name][scenario] = {
                 "decode_only": _summary(decode_only),
-                "decode_only_in_flight": {"steps": len(in_flight), **({
-                    "p50_ms": round(statistics.median(in_flight) * 1e3, 3),
-                    "max_ms": round(max(in_flight) * 1e3, 3)} if in_flight else {})},
+                "decode_only_in_flight": {
+                    "steps": len(in_flight),
+                    **(
+                        {
+                            "p50_ms": round(statistics.median(in_flight) * 1e3, 3),
+                            "max_ms": round(max(in_flight) * 1e3, 3),
+                        }
+                        if in_flight
+                        else {}
+                    ),
+                },
                 "all_steps": _summary([s["s"] for s in steps]),
                 "quiet_p50_ms": round(statistics.median(s["s"] for m in measured for s in m["quiet"]) * 1e3, 3),
                 "long_prefill_steps": statistics.median(sum(1 for s in m["window"] if s["long"]) for m in measured),
                 "long_finished_step_median": statistics.median(m["long_finished_step"] for m in measured),
                 "long_released_step_max": max(m["long_left_step"] for m in measured),
-                "long_cached_tokens": expected}
+                "long_cached_tokens": expected,
+            }
     for name in NAMES[1:]:
         for scenario, row in results[name].items():
             base = results["none"][scenario]["decode_only"]
@@ -107,7 +119,8 @@ def run(quick: bool = False, progress=None, device: str = "cpu") -> dict:
     block = where.block
     # long prompt: whole blocks + half a block (the half block is recomputed on a load)
     rounds, decoders, decode_tokens, long_blocks, quiet, window = (
-        (2, 4, 48, 16, 8, 64) if quick else (6, 4, 48, 512, 8, 48) if gpu else (16, 4, 48, 124, 8, 64))
+        (2, 4, 48, 16, 8, 64) if quick else (6, 4, 48, 512, 8, 48) if gpu else (16, 4, 48, 124, 8, 64)
+    )
     runs = RUNS_ON_GPU if gpu and not quick else 1
     long_tokens = long_blocks * block + block // 2
     max_model_len = long_tokens + 64 if quick else long_tokens + 1024 if gpu else where.model["max_position_embeddings"]
@@ -123,19 +136,36 @@ def run(quick: bool = False, progress=None, device: str = "cpu") -> dict:
     capacity = f"{max(2, -(-stored * 5 // 4) >> 30)}GiB"
     kv_tokens = long_tokens + decoders * (max_model_len + block)
     kv_bytes = max(4 << 30, kv_tokens * where.kv_bytes_per_token) if gpu else None
-    with tempfile.TemporaryDirectory(prefix="kvoffload-stall-") as tmp, \
-            mock.patch.dict(os.environ, threads), \
-            engines(NAMES, tmp, max_model_len, lambda m: say(f"[bench stall] {m}"), in_process=True, where=where,
-                    capacity=capacity, kv_bytes=kv_bytes) as running:
+    with (
+        tempfile.TemporaryDirectory(prefix="kvoffload-stall-") as tmp,
+        mock.patch.dict(os.environ, threads),
+        engines(
+            NAMES,
+            tmp,
+            max_model_len,
+            lambda m: say(f"[bench stall] {m}"),
+            in_process=True,
+            where=where,
+            capacity=capacity,
+            kv_bytes=kv_bytes,
+        ) as running,
+    ):
         for r in range(rounds):
             long_prompt = tokens(long_tokens)
-            order = NAMES[r % len(NAMES):] + NAMES[:r % len(NAMES)]
+            order = NAMES[r % len(NAMES) :] + NAMES[: r % len(NAMES)]
             for scenario in ("save", "load"):
                 decode_prompts = [tokens(decode_tokens) for _ in range(decoders)]  # new: no hits
                 for name in order:
-                    rows[name][scenario].append(running[name].call(
-                        "stall", decode_prompts=decode_prompts, long_prompt=long_prompt, quiet_steps=quiet,
-                        window_steps=window, decode_max_tokens=max_model_len - decode_tokens))
+                    rows[name][scenario].append(
+                        running[name].call(
+                            "stall",
+                            decode_prompts=decode_prompts,
+                            long_prompt=long_prompt,
+                            quiet_steps=quiet,
+                            window_steps=window,
+                            decode_max_tokens=max_model_len - decode_tokens,
+                        )
+                    )
                 if scenario == "save":
                     for name in order:
                         if not running[name].call("reset")["ok"]:
@@ -146,28 +176,55 @@ def run(quick: bool = False, progress=None, device: str = "cpu") -> dict:
     results = _results(rows, decoders, long_blocks * block)
     for name in NAMES[1:]:
         for scenario, row in results[name].items():
-            say(f"[bench stall] {name} {scenario}: decode-only p50 {row['decode_only']['p50_ms']} ms "
-                f"({row['p50_ratio']}x), p99 {row['decode_only']['p99_ms']} ms ({row['p99_ratio']}x)")
+            say(
+                f"[bench stall] {name} {scenario}: decode-only p50 {row['decode_only']['p50_ms']} ms "
+                f"({row['p50_ratio']}x), p99 {row['decode_only']['p99_ms']} ms ({row['p99_ratio']}x)"
+            )
     extra: dict[str, Any] = {}
     if runs > 1:
         per = rounds // runs
-        split = [_results({n: {sc: m[i * per:(i + 1) * per] for sc, m in rows[n].items()} for n in NAMES},
-                          decoders, long_blocks * block) for i in range(runs)]
-        extra["p99_ratio_per_run"] = {f"{name} {sc}": [r[name][sc]["p99_ratio"] for r in split]
-                                      for name in NAMES[1:] for sc in ("save", "load")}
-        extra["p99_target_met_in_every_run"] = {key: all(v <= TARGET_P99_RATIO for v in values)
-                                                for key, values in extra["p99_ratio_per_run"].items()}
+        split = [
+            _results(
+                {n: {sc: m[i * per : (i + 1) * per] for sc, m in rows[n].items()} for n in NAMES},
+                decoders,
+                long_blocks * block,
+            )
+            for i in range(runs)
+        ]
+        extra["p99_ratio_per_run"] = {
+            f"{name} {sc}": [r[name][sc]["p99_ratio"] for r in split] for name in NAMES[1:] for sc in ("save", "load")
+        }
+        extra["p99_target_met_in_every_run"] = {
+            key: all(v <= TARGET_P99_RATIO for v in values) for key, values in extra["p99_ratio_per_run"].items()
+        }
     label = where.engine + ", in-process" + ("" if gpu else f", OMP_NUM_THREADS={ENGINE_THREADS}")
-    return {"benchmark": "stall", "quick": quick, "device": where.device, "machine": machine(), "engine": label,
-            "model": {"architecture": f"LlamaForCausalLM {where.dtype}, random weights", **where.model},
-            "workload": {"rounds": rounds, "runs": runs, "decode_requests": decoders,
-                         "decode_prompt_tokens": decode_tokens, "long_prompt_tokens": long_tokens,
-                         "long_prefix_tokens": long_blocks * block, "long_prefix_bytes":
-                         long_blocks * block * where.kv_bytes_per_token, "quiet_steps": quiet, "window_steps": window,
-                         "max_model_len": max_model_len},
-            "definition": ("decode-only step: an LLMEngine.step() whose scheduler output schedules one token for "
-                           "each decode request and none for the long request; p50/p99 of their wall times over "
-                           "the window steps after the long prompt is added, all rounds pooled; all_steps "
-                           "includes the steps that carry the long prompt's prefill chunks"),
-            "target": {"p99_ratio_max": TARGET_P99_RATIO, "of": "decode_only p99 vs no connector, same scenario"},
-            "startup_s": startup, "results": results, **extra}
+    return {
+        "benchmark": "stall",
+        "quick": quick,
+        "device": where.device,
+        "machine": machine(),
+        "engine": label,
+        "model": {"architecture": f"LlamaForCausalLM {where.dtype}, random weights", **where.model},
+        "workload": {
+            "rounds": rounds,
+            "runs": runs,
+            "decode_requests": decoders,
+            "decode_prompt_tokens": decode_tokens,
+            "long_prompt_tokens": long_tokens,
+            "long_prefix_tokens": long_blocks * block,
+            "long_prefix_bytes": long_blocks * block * where.kv_bytes_per_token,
+            "quiet_steps": quiet,
+            "window_steps": window,
+            "max_model_len": max_model_len,
+        },
+        "definition": (
+            "decode-only step: an LLMEngine.step() whose scheduler output schedules one token for "
+            "each decode request and none for the long request; p50/p99 of their wall times over "
+            "the window steps after the long prompt is added, all rounds pooled; all_steps "
+            "includes the steps that carry the long prompt's prefill chunks"
+        ),
+        "target": {"p99_ratio_max": TARGET_P99_RATIO, "of": "decode_only p99 vs no connector, same scenario"},
+        "startup_s": startup,
+        "results": results,
+        **extra,
+    }

@@ -79,7 +79,7 @@ def run(quick: bool = False, directory: str | None = None, progress=None) -> dic
                 batch = max(1, (64 << 20) // size)
                 start = time.perf_counter()
                 for i in range(0, count, batch):
-                    assert all(disk.put_many(list(zip(keys[i:i + batch], values[i:i + batch]))))
+                    assert all(disk.put_many(list(zip(keys[i : i + batch], values[i : i + batch]))))
                 lmdb_put = time.perf_counter() - start
             cache = drop_page_cache()
             with open_store(f"lmdb://{path}?capacity={4 * nbytes + (256 << 20)}") as disk:
@@ -89,11 +89,16 @@ def run(quick: bool = False, directory: str | None = None, progress=None) -> dic
                 assert all(s == size for s in sizes_read) and np.array_equal(outs[-1], values[-1])
             shutil.rmtree(path)
             row: dict[str, Any] = {
-                "value_bytes": size, "values": count, "bytes": nbytes,
+                "value_bytes": size,
+                "values": count,
+                "bytes": nbytes,
                 "memcpy_GBps": _gbps(nbytes, memcpy),
-                "memory_put_GBps": _gbps(nbytes, mem_put), "memory_get_GBps": _gbps(nbytes, mem_get),
-                "raw_write_fsync_GBps": _gbps(nbytes, raw_write), "raw_read_GBps": _gbps(nbytes, raw_read),
-                "lmdb_put_GBps": _gbps(nbytes, lmdb_put), "lmdb_get_GBps": _gbps(nbytes, lmdb_get),
+                "memory_put_GBps": _gbps(nbytes, mem_put),
+                "memory_get_GBps": _gbps(nbytes, mem_get),
+                "raw_write_fsync_GBps": _gbps(nbytes, raw_write),
+                "raw_read_GBps": _gbps(nbytes, raw_read),
+                "lmdb_put_GBps": _gbps(nbytes, lmdb_put),
+                "lmdb_get_GBps": _gbps(nbytes, lmdb_get),
                 "page_cache_before_reads": cache,
             }
             row["ratios"] = {
@@ -103,10 +108,17 @@ def run(quick: bool = False, directory: str | None = None, progress=None) -> dic
             }
             rows.append(row)
             if progress:
-                progress(f"[bench store] {size >> 10} KiB x {count}: " + ", ".join(
-                    f"{k} {v}" for k, v in row["ratios"].items()))
+                progress(
+                    f"[bench store] {size >> 10} KiB x {count}: "
+                    + ", ".join(f"{k} {v}" for k, v in row["ratios"].items())
+                )
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return {"benchmark": "store", "quick": quick, "date": time.strftime("%Y-%m-%d"), "machine": machine(),
-            "targets": {"memory_get_vs_memcpy": 0.9, "lmdb_put_vs_raw_write": 0.7, "lmdb_get_vs_raw_read": 0.8},
-            "results": rows}
+    return {
+        "benchmark": "store",
+        "quick": quick,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine(),
+        "targets": {"memory_get_vs_memcpy": 0.9, "lmdb_put_vs_raw_write": 0.7, "lmdb_get_vs_raw_read": 0.8},
+        "results": rows,
+    }

@@ -56,19 +56,52 @@ DISK_CAPACITIES = (1 << 40, 256 << 30)  # model bytes of local disk for KV: room
 CAP_BLOCKS = 8  # the per-request cap tried (vLLM connector: max_saved_blocks)
 RETENTIONS = ("last", "last+junction", "last+every:4", "last+exp", "last+backexp", "last+exp+backexp")  # beside `every`
 PolicyRow = tuple[str, int | None, int | None, str, *tuple[Any, ...]]  # _Replay's arguments (a tail may be left out)
-POLICIES: tuple[PolicyRow, ...] = (("no offload", None, None, "lru"), ("memory only, LRU", None, 1, "lru"),
-            ("memory only, S3-FIFO", None, 1, "s3fifo"),
-            *((f"memory + disk {d >> 30} GiB, {'store everything' if a == 1 else f'admit={a}'}"
-               f"{', S3-FIFO memory' if e == 's3fifo' else ''}", d, a, e)
-              for d in DISK_CAPACITIES for a in (1, 2, 3) for e in ("lru", "s3fifo") if e == "lru" or a < 3),
-            *((f"memory + disk {d >> 30} GiB, store everything, cap {CAP_BLOCKS} blocks", d, 1, "lru", CAP_BLOCKS)
-              for d in DISK_CAPACITIES),
-            *((f"memory + disk {d >> 30} GiB, store everything, prefetch", d, 1, "lru", None, True)
-              for d in DISK_CAPACITIES),
-            (f"memory + disk {DISK_CAPACITIES[-1] >> 30} GiB, store everything, S3-FIFO disk", DISK_CAPACITIES[-1], 1,
-             "lru", None, False, "s3fifo"),
-            *((f"memory + disk {d >> 30} GiB, store everything, checkpoints {r}", d, 1, "lru", None, False, "lru",
-               StateRetention.parse(r)) for d in DISK_CAPACITIES for r in RETENTIONS))
+POLICIES: tuple[PolicyRow, ...] = (
+    ("no offload", None, None, "lru"),
+    ("memory only, LRU", None, 1, "lru"),
+    ("memory only, S3-FIFO", None, 1, "s3fifo"),
+    *(
+        (
+            f"memory + disk {d >> 30} GiB, {'store everything' if a == 1 else f'admit={a}'}"
+            f"{', S3-FIFO memory' if e == 's3fifo' else ''}",
+            d,
+            a,
+            e,
+        )
+        for d in DISK_CAPACITIES
+        for a in (1, 2, 3)
+        for e in ("lru", "s3fifo")
+        if e == "lru" or a < 3
+    ),
+    *(
+        (f"memory + disk {d >> 30} GiB, store everything, cap {CAP_BLOCKS} blocks", d, 1, "lru", CAP_BLOCKS)
+        for d in DISK_CAPACITIES
+    ),
+    *((f"memory + disk {d >> 30} GiB, store everything, prefetch", d, 1, "lru", None, True) for d in DISK_CAPACITIES),
+    (
+        f"memory + disk {DISK_CAPACITIES[-1] >> 30} GiB, store everything, S3-FIFO disk",
+        DISK_CAPACITIES[-1],
+        1,
+        "lru",
+        None,
+        False,
+        "s3fifo",
+    ),
+    *(
+        (
+            f"memory + disk {d >> 30} GiB, store everything, checkpoints {r}",
+            d,
+            1,
+            "lru",
+            None,
+            False,
+            "lru",
+            StateRetention.parse(r),
+        )
+        for d in DISK_CAPACITIES
+        for r in RETENTIONS
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -82,8 +115,15 @@ def _segment(rng: np.random.Generator, n: int | np.integer) -> np.ndarray:
     return rng.integers(3, 150_000, int(n), dtype=np.int64)
 
 
-def workload(seed: int = 0, *, chats: int = 160, agents: int = 32, documents: int = 120,
-             system_tokens: int = 6000, duration_s: float = 4 * 3600.0) -> list[Request]:
+def workload(
+    seed: int = 0,
+    *,
+    chats: int = 160,
+    agents: int = 32,
+    documents: int = 120,
+    system_tokens: int = 6000,
+    duration_s: float = 4 * 3600.0,
+) -> list[Request]:
     """The trace, sorted by arrival. Session starts are uniform over `duration_s`; turns follow each
     other after exponential think times (chat 60 s, agent 10 s), except that a session sometimes comes
     back much later (a user after lunch, an agent resumed: 20% / 10% of turns, 40 / 30 min on average),
@@ -110,8 +150,13 @@ def workload(seed: int = 0, *, chats: int = 160, agents: int = 32, documents: in
             out.append(Request(at, "agent", context))
             at += pause(10.0, 0.1, 1800.0)
     for _ in range(documents):
-        out.append(Request(rng.uniform(0, duration_s), "document",
-                           np.concatenate([_segment(rng, rng.integers(20_000, 100_000)), _segment(rng, 100)])))
+        out.append(
+            Request(
+                rng.uniform(0, duration_s),
+                "document",
+                np.concatenate([_segment(rng, rng.integers(20_000, 100_000)), _segment(rng, 100)]),
+            )
+        )
     return sorted(out, key=lambda r: r.arrival)
 
 
@@ -138,29 +183,43 @@ def _raw_disk_read_gbps(tmp: str, nbytes: int) -> float:
 class _Replay:
     """One policy's run over the trace: a fresh store, counters at model size."""
 
-    def __init__(self, layout, disk: int | None, admit: int | None, evict: str, directory: str, disk_gbps: float,
-                 cap: int | None = None, prefetch: bool = False, disk_evict: str = "lru",
-                 retention: StateRetention = EVERY):
+    def __init__(
+        self,
+        layout,
+        disk: int | None,
+        admit: int | None,
+        evict: str,
+        directory: str,
+        disk_gbps: float,
+        cap: int | None = None,
+        prefetch: bool = False,
+        disk_evict: str = "lru",
+        retention: StateRetention = EVERY,
+    ):
         self.cap = cap  # a request's keys stop after this many blocks: nothing beyond is saved or hit
         self.retention = retention  # the block boundaries whose KDA checkpoint is saved
         self.prefetch, self.disk_gbps, self.free_at = prefetch, disk_gbps, 0.0
         self.layout, self.admit, self.disk, self.evict, self.disk_evict = layout, admit, disk, evict, disk_evict
         self.size = {g.name: -(-g.used_bytes_per_block // SCALE) for g in layout.cacheable_groups}
         self.payload = bytes(max(self.size.values()))
-        self.totals = dict.fromkeys(("prompt_tokens", "hit_tokens", "memory_read_bytes", "disk_read_bytes",
-                                     "memory_written_bytes"), 0)
+        self.totals = dict.fromkeys(
+            ("prompt_tokens", "hit_tokens", "memory_read_bytes", "disk_read_bytes", "memory_written_bytes"), 0
+        )
         # (hit tokens, memory bytes, disk bytes, queue wait s, time to first token s)
         self.per_request: list[tuple[int, int, int, float, float]] = []
         self.store: Store | None = None  # None: no offload
         self.front: Store | None = None  # the memory tier: the store itself, or the tiered store's front
         self.tiered: TieredStore | None = None  # the store, when it has a disk tier
         if admit is not None and disk is None:
-            self.store = self.front = open_store(f"memory://?capacity={MEMORY_CAPACITY // SCALE}&pinned=false"
-                                                 f"&evict={evict}")
+            self.store = self.front = open_store(
+                f"memory://?capacity={MEMORY_CAPACITY // SCALE}&pinned=false&evict={evict}"
+            )
         elif admit is not None and disk is not None:
-            tiered = open_store(f"tiered://?memory={MEMORY_CAPACITY // SCALE}&lmdb={directory}"
-                                f"&lmdb_capacity={disk // SCALE}&pinned=false&admit={admit}&evict={evict}"
-                                f"&lmdb_evict={disk_evict}")
+            tiered = open_store(
+                f"tiered://?memory={MEMORY_CAPACITY // SCALE}&lmdb={directory}"
+                f"&lmdb_capacity={disk // SCALE}&pinned=false&admit={admit}&evict={evict}"
+                f"&lmdb_evict={disk_evict}"
+            )
             if not isinstance(tiered, TieredStore):
                 raise TypeError(f"a tiered:// URL opened a {type(tiered).__name__}")
             self.store, self.front, self.tiered = tiered, tiered.front, tiered
@@ -179,7 +238,7 @@ class _Replay:
         if store is None or front is None:  # both or neither
             self._served(arrival, start, num_tokens, 0, 0, 0)
             return
-        keys = all_keys[:self.cap]
+        keys = all_keys[: self.cap]
         if self.prefetch and start > arrival:
             self._prefetch(store, front, keys, num_tokens, start - arrival)
         hit, junction = hit_and_junction(self.layout, keys, num_tokens, store.contains_many)
@@ -199,7 +258,7 @@ class _Replay:
         checkpoints = self.retention.state_blocks(self.layout, num_tokens, range(full), full, junction)
         save = [p for p in pages_for_save(self.layout, keys, full, checkpoints) if p.index >= hit]
         todo = [p for p, there in zip(save, store.contains_many([p.key for p in save])) if not there]
-        stored = store.put_many([(p.key, memoryview(self.payload)[:self.size[p.group.name]]) for p in todo])
+        stored = store.put_many([(p.key, memoryview(self.payload)[: self.size[p.group.name]]) for p in todo])
         self.totals["memory_written_bytes"] += self._model_bytes(p for p, ok in zip(todo, stored) if ok)
         if self.tiered is not None:
             self.tiered.flush()  # the trace's think times are longer than any write-behind delay
@@ -228,26 +287,35 @@ class _Replay:
         store.prefetch(chosen)
 
     def result(self, name: str) -> dict:
-        saved = [hit / PREFILL_TOKENS_PER_S - memory / (LINK_GBPS * 1e9) - disk / (self.disk_gbps * 1e9)
-                 for hit, memory, disk, _, _ in self.per_request]
+        saved = [
+            hit / PREFILL_TOKENS_PER_S - memory / (LINK_GBPS * 1e9) - disk / (self.disk_gbps * 1e9)
+            for hit, memory, disk, _, _ in self.per_request
+        ]
         waits = [wait for *_, wait, _ in self.per_request]
         stats = self.store.stats() if self.store is not None else {}
-        row = {"policy": name, "admit": self.admit, "disk_capacity": self.disk, "evict": self.evict,
-               "disk_evict": self.disk_evict if self.disk else None,
-               "max_saved_blocks": self.cap, "prefetch": self.prefetch, "state_retention": str(self.retention),
-               **self.totals,
-               "hit_rate_tokens": round(self.totals["hit_tokens"] / self.totals["prompt_tokens"], 4),
-               "disk_written_bytes": int(stats.get("behind_written_bytes", 0)) * SCALE,
-               # a request's pages beyond behind_bytes (half the memory tier) stay in memory only
-               "disk_dropped_bytes": int(stats.get("behind_dropped_bytes", 0)) * SCALE,
-               "disk_evictions": int(stats.get("disk_evictions", 0)) if self.disk else 0,
-               "memory_evictions": int(stats.get("memory_evictions" if self.disk else "evictions", 0)),
-               "prefetched_bytes": int(stats.get("prefetched_bytes", 0)) * SCALE,
-               "queued_requests": sum(1 for wait in waits if wait > 0),
-               "queue_wait_s_mean": round(sum(waits) / len(waits), 3),
-               "ttft_s_mean": round(sum(ttft for *_, ttft in self.per_request) / len(self.per_request), 3),
-               "ttft_saved_s_total": round(sum(saved), 2),
-               "ttft_saved_s_mean": round(sum(saved) / len(saved), 3)}
+        row = {
+            "policy": name,
+            "admit": self.admit,
+            "disk_capacity": self.disk,
+            "evict": self.evict,
+            "disk_evict": self.disk_evict if self.disk else None,
+            "max_saved_blocks": self.cap,
+            "prefetch": self.prefetch,
+            "state_retention": str(self.retention),
+            **self.totals,
+            "hit_rate_tokens": round(self.totals["hit_tokens"] / self.totals["prompt_tokens"], 4),
+            "disk_written_bytes": int(stats.get("behind_written_bytes", 0)) * SCALE,
+            # a request's pages beyond behind_bytes (half the memory tier) stay in memory only
+            "disk_dropped_bytes": int(stats.get("behind_dropped_bytes", 0)) * SCALE,
+            "disk_evictions": int(stats.get("disk_evictions", 0)) if self.disk else 0,
+            "memory_evictions": int(stats.get("memory_evictions" if self.disk else "evictions", 0)),
+            "prefetched_bytes": int(stats.get("prefetched_bytes", 0)) * SCALE,
+            "queued_requests": sum(1 for wait in waits if wait > 0),
+            "queue_wait_s_mean": round(sum(waits) / len(waits), 3),
+            "ttft_s_mean": round(sum(ttft for *_, ttft in self.per_request) / len(self.per_request), 3),
+            "ttft_saved_s_total": round(sum(saved), 2),
+            "ttft_saved_s_mean": round(sum(saved) / len(saved), 3),
+        }
         if self.store is not None:
             self.store.close()
         return row
@@ -260,8 +328,10 @@ def run(quick: bool = False, progress=None, seed: int = 0) -> dict:
     layout = glm_layout(1088 if quick else None)  # quick: a quarter of vLLM's block, same page sizes per token
     chain = KeyChain(layout.fingerprint, layout.block_size, namespace="trace")
     kinds = {kind: sum(1 for r in trace if r.kind == kind) for kind in ("chat", "agent", "document")}
-    say(f"[bench trace] {len(trace)} requests ({kinds}), {sum(len(r.tokens) for r in trace):,} prompt tokens, "
-        f"block {layout.block_size}, {layout.stored_bytes_per_block() / 1e6:.0f} MB stored per block")
+    say(
+        f"[bench trace] {len(trace)} requests ({kinds}), {sum(len(r.tokens) for r in trace):,} prompt tokens, "
+        f"block {layout.block_size}, {layout.stored_bytes_per_block() / 1e6:.0f} MB stored per block"
+    )
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvoffload-trace-") as tmp:
         disk_gbps = _raw_disk_read_gbps(tmp, (64 << 20) if quick else (1 << 30))
@@ -277,13 +347,26 @@ def run(quick: bool = False, progress=None, seed: int = 0) -> dict:
                     say(f"[bench trace] {name}: {i + 1}/{len(trace)} requests")
             rows.append(replay.result(name))
             row = rows[-1]
-            say(f"[bench trace] {name}: hit rate {row['hit_rate_tokens']:.1%}, disk written "
+            say(
+                f"[bench trace] {name}: hit rate {row['hit_rate_tokens']:.1%}, disk written "
                 f"{row['disk_written_bytes'] / 1e12:.2f} TB, TTFT saved {row['ttft_saved_s_mean']:.2f} s per request, "
                 f"TTFT {row['ttft_s_mean']:.2f} s with queueing "
-                f"({time.perf_counter() - started:.0f} s)")
-    return {"benchmark": "trace", "quick": quick, "date": time.strftime("%Y-%m-%d"), "machine": machine(),
-            "seed": seed, "requests": len(trace), "by_kind": kinds, "block_size": layout.block_size,
-            "stored_bytes_per_block": layout.stored_bytes_per_block(), "scale": SCALE,
-            "memory_capacity": MEMORY_CAPACITY,
-            "prefill_tokens_per_s": PREFILL_TOKENS_PER_S, "link_GBps": LINK_GBPS,
-            "disk_read_GBps_measured": round(disk_gbps, 3), "results": rows}
+                f"({time.perf_counter() - started:.0f} s)"
+            )
+    return {
+        "benchmark": "trace",
+        "quick": quick,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine(),
+        "seed": seed,
+        "requests": len(trace),
+        "by_kind": kinds,
+        "block_size": layout.block_size,
+        "stored_bytes_per_block": layout.stored_bytes_per_block(),
+        "scale": SCALE,
+        "memory_capacity": MEMORY_CAPACITY,
+        "prefill_tokens_per_s": PREFILL_TOKENS_PER_S,
+        "link_GBps": LINK_GBPS,
+        "disk_read_GBps_measured": round(disk_gbps, 3),
+        "results": rows,
+    }

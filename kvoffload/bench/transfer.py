@@ -49,8 +49,14 @@ def _nbytes(items) -> int:
     return sum(p.group.used_bytes_per_block for p in items)
 
 
-def run(quick: bool = False, preset: str = "pruned-4l", block_size: int = 64, blocks: int = 1024,
-        repeats: int = 7, progress=None) -> dict:
+def run(
+    quick: bool = False,
+    preset: str = "pruned-4l",
+    block_size: int = 64,
+    blocks: int = 1024,
+    repeats: int = 7,
+    progress=None,
+) -> dict:
     from glm_integration.cache import PagedCache
     from glm_integration.config import preset as make_preset
 
@@ -60,19 +66,32 @@ def run(quick: bool = False, preset: str = "pruned-4l", block_size: int = 64, bl
     cache = PagedCache(make_preset(preset), block_size, blocks, device=device)
     cache.buffer.random_(0, 256)
     progress = progress or (lambda message: None)
-    workloads = {"all_groups": ({GroupKind.PAGED, GroupKind.STATE}, max(2, blocks // 8)),
-                 "mla_pages": ({GroupKind.PAGED}, blocks // 2)}
+    workloads = {
+        "all_groups": ({GroupKind.PAGED, GroupKind.STATE}, max(2, blocks // 8)),
+        "mla_pages": ({GroupKind.PAGED}, blocks // 2),
+    }
     results = {}
     for name, (kinds, n) in workloads.items():
         save_items = _pages(cache.layout, range(n), kinds)
         load_items = _pages(cache.layout, range(n, 2 * n), kinds)
         results[name] = _workload(cache, save_items, load_items, device, repeats)
-        progress(f"[bench transfer] {preset} {name}: {n} blocks, {results[name]['bytes'] / 2**20:.0f} MiB each way; "
-                 + ", ".join(f"{k} {v}" for k, v in results[name]["ratios"].items()))
-    return {"benchmark": "transfer", "quick": quick, "machine": {**machine(), "device": _device_name(device)},
-            "geometry": {"preset": preset, "block_size": block_size, "cache_blocks": blocks, "repeats": repeats,
-                         "block_stride": cache.block_stride},
-            "results": results}
+        progress(
+            f"[bench transfer] {preset} {name}: {n} blocks, {results[name]['bytes'] / 2**20:.0f} MiB each way; "
+            + ", ".join(f"{k} {v}" for k, v in results[name]["ratios"].items())
+        )
+    return {
+        "benchmark": "transfer",
+        "quick": quick,
+        "machine": {**machine(), "device": _device_name(device)},
+        "geometry": {
+            "preset": preset,
+            "block_size": block_size,
+            "cache_blocks": blocks,
+            "repeats": repeats,
+            "block_stride": cache.block_stride,
+        },
+        "results": results,
+    }
 
 
 def _workload(cache, save_items, load_items, device, repeats) -> dict:
@@ -131,7 +150,7 @@ def _workload(cache, save_items, load_items, device, repeats) -> dict:
     def per_span_save():  # the naive path: one device-to-host copy per span
         at = 0
         for offset, n in spans:
-            raw_host[at:at + n].copy_(cache.buffer[offset:offset + n], non_blocking=gpu)
+            raw_host[at : at + n].copy_(cache.buffer[offset : offset + n], non_blocking=gpu)
             at += n
         _sync(device)
 
@@ -153,20 +172,29 @@ def _workload(cache, save_items, load_items, device, repeats) -> dict:
         _sync(device)
 
     end_to_end = {
-        "memory_store_save_GBps": _median_gbps(lambda: saver.save(store, save_items), nbytes, max(1, repeats // 2),
-                                               device),
+        "memory_store_save_GBps": _median_gbps(
+            lambda: saver.save(store, save_items), nbytes, max(1, repeats // 2), device
+        ),
         "memory_store_load_GBps": _median_gbps(store_load, nbytes, max(1, repeats // 2), device),
     }
     store.close()
     ratio = lambda a, b: round(rows[a] / rows[b], 3)  # noqa: E731
-    return {"pages": len(save_items), "spans": len(spans), "bytes": nbytes, "staging_bytes": saver.staging_bytes,
-            "span_copy": "triton" if saver.copier.use_triton else "foreach", **rows, "end_to_end": end_to_end,
-            "ratios": {"save_vs_memcpy": ratio("staged_save_GBps", "raw_memcpy_save_GBps"),
-                       "load_vs_memcpy": ratio("staged_load_GBps", "raw_memcpy_load_GBps"),
-                       "both_vs_memcpy": ratio("staged_both_GBps", "raw_memcpy_both_GBps"),
-                       "per_span_save_vs_memcpy": ratio("per_span_save_GBps", "raw_memcpy_save_GBps")}}
+    return {
+        "pages": len(save_items),
+        "spans": len(spans),
+        "bytes": nbytes,
+        "staging_bytes": saver.staging_bytes,
+        "span_copy": "triton" if saver.copier.use_triton else "foreach",
+        **rows,
+        "end_to_end": end_to_end,
+        "ratios": {
+            "save_vs_memcpy": ratio("staged_save_GBps", "raw_memcpy_save_GBps"),
+            "load_vs_memcpy": ratio("staged_load_GBps", "raw_memcpy_load_GBps"),
+            "both_vs_memcpy": ratio("staged_both_GBps", "raw_memcpy_both_GBps"),
+            "per_span_save_vs_memcpy": ratio("per_span_save_GBps", "raw_memcpy_save_GBps"),
+        },
+    }
 
 
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (host buffer)"
-

@@ -40,11 +40,15 @@ def run(quick: bool = False, block_size: int = 16, repeats: int = 3, progress=No
     with tempfile.TemporaryDirectory() as tmp:
         stores = {"memory": open_store("memory://?capacity=1GiB"), "lmdb": open_store(f"lmdb://{tmp}/db?capacity=1GiB")}
         for length in QUICK_LENGTHS if quick else FULL_LENGTHS:
-            prompt = torch.randint(0, config.vocab_size, (length + 1,),
-                                   generator=torch.Generator().manual_seed(length)).tolist()
+            prompt = torch.randint(
+                0, config.vocab_size, (length + 1,), generator=torch.Generator().manual_seed(length)
+            ).tolist()
             cold = [_prefill_seconds(model, config, model_id, None, prompt, block_size) for _ in range(repeats)]
-            row = {"prefix_tokens": length, "prompt_tokens": length + 1,
-                   "cold_ms": round(statistics.median(c[0] for c in cold) * 1e3, 2)}
+            row = {
+                "prefix_tokens": length,
+                "prompt_tokens": length + 1,
+                "cold_ms": round(statistics.median(c[0] for c in cold) * 1e3, 2),
+            }
             for name, store in stores.items():
                 _prefill_seconds(model, config, model_id, store, prompt, block_size)  # save
                 warm = [_prefill_seconds(model, config, model_id, store, prompt, block_size) for _ in range(repeats)]
@@ -53,9 +57,18 @@ def run(quick: bool = False, block_size: int = 16, repeats: int = 3, progress=No
                 row[f"speedup_{name}"] = round(row["cold_ms"] / row[f"warm_{name}_ms"], 2)
             rows.append(row)
             if progress:
-                progress(f"[bench ttft] prefix {length}: cold {row['cold_ms']} ms, warm memory "
-                         f"{row['warm_memory_ms']} ms, warm lmdb {row['warm_lmdb_ms']} ms")
+                progress(
+                    f"[bench ttft] prefix {length}: cold {row['cold_ms']} ms, warm memory "
+                    f"{row['warm_memory_ms']} ms, warm lmdb {row['warm_lmdb_ms']} ms"
+                )
         for store in stores.values():
             store.close()
-    return {"benchmark": "ttft", "engine": "bundled GLM runner (tiny, CPU, 1 thread)", "quick": quick,
-            "date": time.strftime("%Y-%m-%d"), "machine": machine(), "block_size": block_size, "results": rows}
+    return {
+        "benchmark": "ttft",
+        "engine": "bundled GLM runner (tiny, CPU, 1 thread)",
+        "quick": quick,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine(),
+        "block_size": block_size,
+        "results": rows,
+    }

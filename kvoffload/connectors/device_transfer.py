@@ -72,8 +72,9 @@ def _gpu_only(part: _T | None) -> _T:
 class DeviceTransfer:
     """The `Transfer` protocol (and `HostTransfer`'s scatter) for a cache buffer on a GPU."""
 
-    def __init__(self, buffer: torch.Tensor, *, staging_bytes: int = DEFAULT_STAGING_BYTES,
-                 use_triton: bool | None = None):
+    def __init__(
+        self, buffer: torch.Tensor, *, staging_bytes: int = DEFAULT_STAGING_BYTES, use_triton: bool | None = None
+    ):
         self.buffer = buffer.view(torch.uint8).reshape(-1)
         self.device = self.buffer.device
         self.gpu = self.device.type == "cuda"
@@ -81,8 +82,11 @@ class DeviceTransfer:
         self.staging_bytes = staging_bytes
         # In-place paths run kernels (gather, scatter) on their own streams, so one batch's kernel
         # overlaps the neighbouring batch's DMA.
-        self.streams = ({d: torch.cuda.Stream(self.device) for d in ("save", "load", "save_kernel", "load_kernel")}
-                        if self.gpu else {})
+        self.streams = (
+            {d: torch.cuda.Stream(self.device) for d in ("save", "load", "save_kernel", "load_kernel")}
+            if self.gpu
+            else {}
+        )
         self._slots: dict[tuple[str, int], _Slot] = {}
         self._templates: dict[int, tuple] = {}
         self.warm_up_s: float | None = None  # the warm start's cost, once `warm_up` ran
@@ -105,8 +109,9 @@ class DeviceTransfer:
                 for w in (8, 4, 2, 1):  # one read of w bytes of the cache compiles (or loads) word size w
                     if w >= self._word_floor(groups):
                         one = np.asarray([w], dtype=np.int64)
-                        self.copier.gather(np.zeros(1, dtype=np.int64), one, slot.device, np.zeros(1, dtype=np.int64),
-                                           slot.table)
+                        self.copier.gather(
+                            np.zeros(1, dtype=np.int64), one, slot.device, np.zeros(1, dtype=np.int64), slot.table
+                        )
             torch.cuda.synchronize(self.device)
         self.warm_up_s = time.perf_counter() - started
         return self.warm_up_s
@@ -169,8 +174,13 @@ class DeviceTransfer:
         if entry is None or entry[0] is not group:
             spans = np.asarray(group.page_spans(0), dtype=np.int64)
             strides = np.asarray([r.block_stride for r in group.regions for _ in range(r.num_layers)], dtype=np.int64)
-            entry = self._templates[id(group)] = (group, spans[:, 0], strides, spans[:, 1],
-                                                  np.cumsum(spans[:, 1]) - spans[:, 1])
+            entry = self._templates[id(group)] = (
+                group,
+                spans[:, 0],
+                strides,
+                spans[:, 1],
+                np.cumsum(spans[:, 1]) - spans[:, 1],
+            )
         return entry[1:]
 
     def _spans(self, batch: Sequence[Page], page_at: np.ndarray, keep: Sequence[bool] | None = None):
@@ -180,8 +190,11 @@ class DeviceTransfer:
             chosen = [i for i, k in enumerate(keep) if k]
             batch, page_at = [batch[i] for i in chosen], page_at[chosen]
         groups = {id(item.group): item.group for item in batch}
-        which = (np.fromiter([id(item.group) for item in batch], dtype=np.int64, count=len(batch))
-                 if len(groups) > 1 else None)
+        which = (
+            np.fromiter([id(item.group) for item in batch], dtype=np.int64, count=len(batch))
+            if len(groups) > 1
+            else None
+        )
         blocks = np.fromiter([item.block for item in batch], dtype=np.int64, count=len(batch))
         parts = []
         for key, group in groups.items():
@@ -259,11 +272,12 @@ class DeviceTransfer:
     def pack(self, items: Sequence[Page], after=None) -> Iterator[tuple[Sequence[Page], list[np.ndarray]]]:
         """Yield (batch, a pinned host view of each page) batch by batch; valid until the next batch."""
         for batch, slot, offsets in self._staged(items, after):
-            yield batch, [slot.host_bytes[o:o + item.group.used_bytes_per_block] for item, o in zip(batch, offsets)]
+            yield batch, [slot.host_bytes[o : o + item.group.used_bytes_per_block] for item, o in zip(batch, offsets)]
 
     # -- host -> device ------------------------------------------------------------------------------
-    def unpack(self, batch: Sequence[Page], fill: Callable[[np.ndarray, list[int]], list[bool]], index: int = 0,
-               after=None) -> list[bool]:
+    def unpack(
+        self, batch: Sequence[Page], fill: Callable[[np.ndarray, list[int]], list[bool]], index: int = 0, after=None
+    ) -> list[bool]:
         """`fill(host staging, page offsets)` writes the batch's pages into pinned staging and says which
         arrived; those are copied to the device and scattered into their blocks. Compute queued after
         this call waits for them; the host does not."""
@@ -295,12 +309,13 @@ class DeviceTransfer:
 
     def scatter(self, group: CacheGroup, block: int, page: np.ndarray) -> None:
         def fill(host: np.ndarray, offsets: list[int]) -> list[bool]:
-            host[offsets[0]:offsets[0] + page.nbytes] = np.frombuffer(page, dtype=np.uint8)
+            host[offsets[0] : offsets[0] + page.nbytes] = np.frombuffer(page, dtype=np.uint8)
             return [True]
 
         if np.asarray(page).nbytes != group.used_bytes_per_block:
-            raise ValueError(f"a {group.name} page is {group.used_bytes_per_block} bytes, "
-                             f"got {np.asarray(page).nbytes}")
+            raise ValueError(
+                f"a {group.name} page is {group.used_bytes_per_block} bytes, got {np.asarray(page).nbytes}"
+            )
         self.unpack([Page(b"", group, 0, block)], fill)
 
     def save(self, store: Store, pages: Sequence[Page], after=None) -> list[bool]:
@@ -344,7 +359,7 @@ class DeviceTransfer:
                 with torch.cuda.stream(copies):
                     copies.wait_event(slot.filled)
                     for address, offset, n in _runs(reservation.destinations, (page_at[first:end] - base).tolist()):
-                        _host_tensor(address, n).copy_(slot.device[offset:offset + n], non_blocking=True)
+                        _host_tensor(address, n).copy_(slot.device[offset : offset + n], non_blocking=True)
                     slot.done.record()
                 if pending is not None:
                     written += self._publish(store, *pending)
@@ -377,13 +392,14 @@ class DeviceTransfer:
             return self._load_in_place(store, pages, after)
         ok: list[bool] = []
         for i, batch in enumerate(self.batches(pages)):
+
             def fill(host: np.ndarray, offsets: list[int], batch=batch) -> list[bool]:
                 arrived = [False] * len(batch)
 
                 def consume(j: int, view: memoryview) -> None:
                     n = batch[j].group.used_bytes_per_block
                     if view.nbytes == n:
-                        host[offsets[j]:offsets[j] + n] = np.frombuffer(view, dtype=np.uint8)
+                        host[offsets[j] : offsets[j] + n] = np.frombuffer(view, dtype=np.uint8)
                         arrived[j] = True
 
                 store.read_many([item.key for item in batch], consume)
@@ -412,8 +428,10 @@ class DeviceTransfer:
         try:
             for k, batch in enumerate(batches):
                 assert leases is not None  # acquired for this batch (before the loop, or by the last iteration)
-                ok = [lease is not None and lease.view.nbytes == item.group.used_bytes_per_block
-                      for lease, item in zip(leases, batch)]
+                ok = [
+                    lease is not None and lease.view.nbytes == item.group.used_bytes_per_block
+                    for lease, item in zip(leases, batch)
+                ]
                 sizes = self._sizes(batch)
                 offsets = np.cumsum(sizes) - sizes
                 slot = self._slot("load", k % 2, int(sizes.sum()))
@@ -421,7 +439,7 @@ class DeviceTransfer:
                 with torch.cuda.stream(copies):
                     views = [lease.view if good and lease is not None else None for lease, good in zip(leases, ok)]
                     for address, offset, n in _runs(views, offsets.tolist()):
-                        slot.device[offset:offset + n].copy_(_host_tensor(address, n), non_blocking=True)
+                        slot.device[offset : offset + n].copy_(_host_tensor(address, n), non_blocking=True)
                     slot.filled.record()
                 with torch.cuda.stream(kernels):
                     kernels.wait_event(slot.filled)

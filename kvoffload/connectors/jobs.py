@@ -63,8 +63,9 @@ class Jobs:
         _live.add(self)
 
     # -- submission (the engine's thread) ------------------------------------------------------------
-    def submit_load(self, req_id: str, block_keys: Sequence[bytes], start: int, end: int,
-                    block_ids: BlockTable) -> None:
+    def submit_load(
+        self, req_id: str, block_keys: Sequence[bytes], start: int, end: int, block_ids: BlockTable
+    ) -> None:
         """Restore request `req_id`'s blocks [start, end) (reported as a `LoadDone`)."""
         fence = self.offloader.transfer.fence()
         self._submit((LoadDone(req_id, False), (list(block_keys), start, end, block_ids, fence)))
@@ -94,8 +95,10 @@ class Jobs:
         """Wait up to `timeout` for a result while jobs are pending (an engine step with nothing to
         compute sleeps here instead of spinning against the job thread); True if one is ready."""
         with self._cond:
-            return bool(self._cond.wait_for(lambda: self._results or not (self._queue or self._running), timeout)
-                        and self._results)
+            return bool(
+                self._cond.wait_for(lambda: self._results or not (self._queue or self._running), timeout)
+                and self._results
+            )
 
     @property
     def pending(self) -> int:
@@ -157,7 +160,7 @@ class Jobs:
         step = (len(pages) or 1) if self.offloader.transfer.gpu else STORE_CALL_PAGES
         written: list[Page] = []
         for at in range(0, len(pages), step):
-            written += self.offloader.save_pages(pages[at:at + step], after=fence)
+            written += self.offloader.save_pages(pages[at : at + step], after=fence)
             time.sleep(0)
         return SaveDone(job.job_id, job.req_id, True, tuple(written))
 

@@ -64,14 +64,20 @@ class Offloader:
         # A store that can never take some group's page (a capacity below one page) can never serve a hit
         # (a hit needs every group's page): said once here; saves are then skipped and counted, rather than
         # an error on every save.
-        too_large = sorted((g.used_bytes_per_block, g.name) for g in layout.cacheable_groups
-                           if not store.fits(g.used_bytes_per_block))
+        too_large = sorted(
+            (g.used_bytes_per_block, g.name) for g in layout.cacheable_groups if not store.fits(g.used_bytes_per_block)
+        )
         self.saves_off = bool(too_large)
         if too_large:
-            log.warning("kvoffload: store %s (capacity %d bytes) takes entries up to %d bytes, but a page is "
-                        "%d bytes (group %s): nothing is saved to or served from it (pages counted in "
-                        "save_skipped_too_large); raise its capacity", redact_url(store.url), store.capacity,
-                        store.max_entry_bytes - store.entry_overhead, *too_large[-1])
+            log.warning(
+                "kvoffload: store %s (capacity %d bytes) takes entries up to %d bytes, but a page is "
+                "%d bytes (group %s): nothing is saved to or served from it (pages counted in "
+                "save_skipped_too_large); raise its capacity",
+                redact_url(store.url),
+                store.capacity,
+                store.max_entry_bytes - store.entry_overhead,
+                *too_large[-1],
+            )
 
     def _count(self, **deltas: int) -> None:
         with self._counter_lock:
@@ -88,8 +94,15 @@ class Offloader:
         self._count(lookups=1, hit_blocks=found - have_blocks)
         return found
 
-    def load(self, block_keys: Sequence[bytes], start: int, end: int, block_ids: BlockTable,
-             after=None, step: int | None = None) -> LoadResult:
+    def load(
+        self,
+        block_keys: Sequence[bytes],
+        start: int,
+        end: int,
+        block_ids: BlockTable,
+        after=None,
+        step: int | None = None,
+    ) -> LoadResult:
         """Restore blocks [start, end) into the request's block table; all or nothing. Any thread may
         call it (`jobs`): `after` is the transfer's fence, device work queued before it is done before
         the load writes. `step`: pages per transfer call, the GIL handed back between calls (a
@@ -101,7 +114,7 @@ class Offloader:
             step = step or len(pages) or 1
             ok = []
             for at in range(0, len(pages), step):
-                ok += self.transfer.load(self.store, pages[at:at + step], after=after)
+                ok += self.transfer.load(self.store, pages[at : at + step], after=after)
                 if step < len(pages):
                     time.sleep(0)
             elapsed = time.perf_counter() - started
@@ -115,12 +128,16 @@ class Offloader:
         if not all(ok):
             self._count(load_failures=1, pages_missing=ok.count(False))
             return LoadResult(tuple(p for p, good in zip(pages, ok) if not good))
-        self._count(load_microseconds=int(elapsed * 1e6), loaded_pages=len(pages),
-                    loaded_bytes=sum(p.group.used_bytes_per_block for p in pages))
+        self._count(
+            load_microseconds=int(elapsed * 1e6),
+            loaded_pages=len(pages),
+            loaded_bytes=sum(p.group.used_bytes_per_block for p in pages),
+        )
         return LoadResult()
 
-    def save(self, block_keys: Sequence[bytes], full_blocks: int, state_blocks: Sequence[int],
-             block_ids: BlockTable) -> int:
+    def save(
+        self, block_keys: Sequence[bytes], full_blocks: int, state_blocks: Sequence[int], block_ids: BlockTable
+    ) -> int:
         """Store the pages of computed blocks that the store lacks; the number of pages written."""
         return len(self.save_pages(pages_for_save(self.layout, block_keys, full_blocks, state_blocks, block_ids)))
 
@@ -143,7 +160,11 @@ class Offloader:
             log.error("kvoffload save failed: %s", exc, exc_info=True)
             self._count(save_errors=1)
             return []
-        self._count(save_microseconds=int((time.perf_counter() - started) * 1e6), saved_pages=sum(written),
-                    saved_bytes=sum(p.group.used_bytes_per_block for p, w in zip(todo, written) if w),
-                    save_skipped_present=len(pages) - len(todo), save_dropped=len(written) - sum(written))
+        self._count(
+            save_microseconds=int((time.perf_counter() - started) * 1e6),
+            saved_pages=sum(written),
+            saved_bytes=sum(p.group.used_bytes_per_block for p, w in zip(todo, written) if w),
+            save_skipped_present=len(pages) - len(todo),
+            save_dropped=len(written) - sum(written),
+        )
         return [p for p, w in zip(todo, written) if w]

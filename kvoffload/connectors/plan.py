@@ -63,8 +63,9 @@ def store_key(layout: LayoutView, block_key: bytes, group: GroupView, rank: int 
     return page_key(shard_key(block_key, rank, layout.tp_size, group.tp_replicas), group.name)
 
 
-def page(layout: LayoutView, block_key: bytes, group: G, index: int, rank: int | None = None,
-         block: int | None = None) -> Page[G]:
+def page(
+    layout: LayoutView, block_key: bytes, group: G, index: int, rank: int | None = None, block: int | None = None
+) -> Page[G]:
     """One group's page of a block, keyed for `rank` (see `store_key`), at physical `block` if given."""
     return Page(store_key(layout, block_key, group, rank), group, index, block)
 
@@ -78,15 +79,25 @@ def _groups(layout: LayoutView[G], kind: GroupKind) -> list[G]:
     return [g for g in layout.cacheable_groups if g.kind is kind]
 
 
-def _pages(layout: LayoutView[G], block_keys: Sequence[bytes], blocks: Iterable[int], kind: GroupKind,
-           rank: int | None = None, table: BlockTable | None = None) -> list[Page[G]]:
+def _pages(
+    layout: LayoutView[G],
+    block_keys: Sequence[bytes],
+    blocks: Iterable[int],
+    kind: GroupKind,
+    rank: int | None = None,
+    table: BlockTable | None = None,
+) -> list[Page[G]]:
     groups = _groups(layout, kind)
-    return [page(layout, block_keys[i], g, i, rank, None if table is None else physical_block(table, g, i))
-            for i in blocks for g in groups]
+    return [
+        page(layout, block_keys[i], g, i, rank, None if table is None else physical_block(table, g, i))
+        for i in blocks
+        for g in groups
+    ]
 
 
-def every_rank_keys(layout: LayoutView, block_keys: Sequence[bytes],
-                    pages: Iterable[tuple[int, GroupView]]) -> dict[bytes, int]:
+def every_rank_keys(
+    layout: LayoutView, block_keys: Sequence[bytes], pages: Iterable[tuple[int, GroupView]]
+) -> dict[bytes, int]:
     """The store keys of pages, each a (block index, group), on every TP rank (a key ranks share once)
     -> their block index. The one place that spells out every rank's keys of a block."""
     pages = list(pages)
@@ -113,15 +124,25 @@ def max_hit_blocks(layout: LayoutView, num_prompt_tokens: int) -> int:
     return aligned // layout.block_size
 
 
-def hit_blocks(layout: LayoutView, block_keys: Sequence[bytes], num_prompt_tokens: int,
-               contains: Callable[[list[bytes]], list[bool]], start: int = 0) -> int:
+def hit_blocks(
+    layout: LayoutView,
+    block_keys: Sequence[bytes],
+    num_prompt_tokens: int,
+    contains: Callable[[list[bytes]], list[bool]],
+    start: int = 0,
+) -> int:
     """How many leading blocks a store can restore on every TP rank (>= `start`, the blocks the engine
     already holds; returns `start` when the store adds nothing). One batched presence query."""
     return hit_and_junction(layout, block_keys, num_prompt_tokens, contains, start)[0]
 
 
-def hit_and_junction(layout: LayoutView, block_keys: Sequence[bytes], num_prompt_tokens: int,
-                     contains: Callable[[list[bytes]], list[bool]], start: int = 0) -> tuple[int, int]:
+def hit_and_junction(
+    layout: LayoutView,
+    block_keys: Sequence[bytes],
+    num_prompt_tokens: int,
+    contains: Callable[[list[bytes]], list[bool]],
+    start: int = 0,
+) -> tuple[int, int]:
     """`hit_blocks`, and the junction: where the leading run of blocks whose PAGED pages are all stored
     ends (aligned down), when that is past the hit, else 0. There a stored prefix lacks the checkpoint
     this prompt would need: another request stored those blocks and diverged later, so the boundary is
@@ -148,14 +169,16 @@ def hit_and_junction(layout: LayoutView, block_keys: Sequence[bytes], num_prompt
     return best, junction if junction > best else 0
 
 
-def pages_for_load(layout: LayoutView[G], block_keys: Sequence[bytes], start: int, end: int,
-                   table: BlockTable | None = None) -> list[Page[G]]:
+def pages_for_load(
+    layout: LayoutView[G], block_keys: Sequence[bytes], start: int, end: int, table: BlockTable | None = None
+) -> list[Page[G]]:
     """Pages to restore blocks [start, end): their PAGED pages and the STATE checkpoint at `end`
     (placed at their physical blocks under `table`, if given)."""
     if end <= start:
         return []
-    return (_pages(layout, block_keys, range(start, end), GroupKind.PAGED, table=table)
-            + _pages(layout, block_keys, [end - 1], GroupKind.STATE, table=table))
+    return _pages(layout, block_keys, range(start, end), GroupKind.PAGED, table=table) + _pages(
+        layout, block_keys, [end - 1], GroupKind.STATE, table=table
+    )
 
 
 class Handoff(NamedTuple):
@@ -173,9 +196,18 @@ class SavePlan(Generic[G]):
     not_retained: int = 0  # checkpoints held but left out by the retention policy (`keep`)
 
 
-def plan_save(layout: LayoutView[G], block_keys: Sequence[bytes], full_blocks: int, state_blocks: Iterable[int] = (),
-              table: BlockTable | None = None, *, start: int = 0, handoffs: Iterable[Handoff] = (),
-              loaded: range = range(0), keep: Callable[[int], bool] | None = None) -> SavePlan[G]:
+def plan_save(
+    layout: LayoutView[G],
+    block_keys: Sequence[bytes],
+    full_blocks: int,
+    state_blocks: Iterable[int] = (),
+    table: BlockTable | None = None,
+    *,
+    start: int = 0,
+    handoffs: Iterable[Handoff] = (),
+    loaded: range = range(0),
+    keep: Callable[[int], bool] | None = None,
+) -> SavePlan[G]:
     """What a save writes, the one place that decides it (`pages_for_save` is its page list):
     - PAGED: the pages of the full computed blocks [start, full_blocks) (within the keys), under `table`;
     - STATE: the checkpoint after each block of `state_blocks` below `full_blocks` (every STATE group,
@@ -188,8 +220,11 @@ def plan_save(layout: LayoutView[G], block_keys: Sequence[bytes], full_blocks: i
     end = min(full_blocks, len(block_keys))
     pages = _pages(layout, block_keys, range(start, end), GroupKind.PAGED, table=table)
     stateful = {g.index: g for g in _groups(layout, GroupKind.STATE)}
-    held = [(g, i, None if table is None else physical_block(table, g, i))
-            for i in sorted(set(state_blocks) & set(range(end))) for g in stateful.values()]
+    held = [
+        (g, i, None if table is None else physical_block(table, g, i))
+        for i in sorted(set(state_blocks) & set(range(end)))
+        for g in stateful.values()
+    ]
     for group_id, block_id, boundary in handoffs:
         index = boundary // layout.block_size - 1
         if group_id in stateful and boundary % layout.block_size == 0 and 0 <= index < len(block_keys):
@@ -205,8 +240,13 @@ def plan_save(layout: LayoutView[G], block_keys: Sequence[bytes], full_blocks: i
     return SavePlan([p for p in pages if writes(layout, p.group)], not_retained)
 
 
-def pages_for_save(layout: LayoutView[G], block_keys: Sequence[bytes], full_blocks: int,
-                   state_blocks: Iterable[int], table: BlockTable | None = None) -> list[Page[G]]:
+def pages_for_save(
+    layout: LayoutView[G],
+    block_keys: Sequence[bytes],
+    full_blocks: int,
+    state_blocks: Iterable[int],
+    table: BlockTable | None = None,
+) -> list[Page[G]]:
     """PAGED pages of every full computed block; STATE pages only where a boundary checkpoint exists;
     of a replicated group only on the rank that writes it (placed under `table`, if given): `plan_save`."""
     return plan_save(layout, block_keys, full_blocks, state_blocks, table).pages

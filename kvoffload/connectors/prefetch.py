@@ -106,5 +106,5 @@ class Prefetcher:
                 if self._closed or req_id not in self._charged:  # scheduled or gone meanwhile
                     self.counters["prefetch_cancelled"] += 1
                     return
-            moved = self.store.prefetch([p.key for p in pages[at:at + STORE_CALL_PAGES]])
+            moved = self.store.prefetch([p.key for p in pages[at : at + STORE_CALL_PAGES]])
             self.counters["prefetched_pages"] += moved

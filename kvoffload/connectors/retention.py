@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import ConfigError
 from ..spec.layout import LayoutView
@@ -54,21 +55,23 @@ class StateRetention:
         """From 'every', 'last', 'last+junction', 'last+every:K', 'last+exp', 'last+backexp' or any
         '+'-joined set of those rules; a typo, a repeated rule or a bad K is a `ConfigError` naming it."""
         if not isinstance(text, str) or not text.strip():
-            raise ConfigError(f"state retention must be a non-empty string of rules {RULES} joined by '+', "
-                              f"got {text!r}")
-        rules: dict[str, object] = {}
+            raise ConfigError(
+                f"state retention must be a non-empty string of rules {RULES} joined by '+', got {text!r}"
+            )
+        rules: dict[str, Any] = {}  # field -> value (an int K, or True)
         for term in (t.strip() for t in text.split("+")):
             name, colon, value = term.partition(":")
             if name == "every" and colon:
                 if not (value.isdigit() and int(value) > 0):
-                    raise ConfigError(f"state retention {text!r}: every:K needs a whole number K >= 1, got "
-                                      f"{value!r}")
+                    raise ConfigError(f"state retention {text!r}: every:K needs a whole number K >= 1, got {value!r}")
                 setting = int(value)
             elif name in ("every", "last", "exp", "backexp", "junction") and not colon:
                 setting = 1 if name == "every" else True
             else:
-                raise ConfigError(f"state retention {text!r}: unknown rule {term!r}; rules: {', '.join(RULES)}, "
-                                  "joined by '+' (e.g. 'last+exp')")
+                raise ConfigError(
+                    f"state retention {text!r}: unknown rule {term!r}; rules: {', '.join(RULES)}, "
+                    "joined by '+' (e.g. 'last+exp')"
+                )
             if name in rules:
                 raise ConfigError(f"state retention {text!r}: rule {name!r} given twice")
             rules[name] = setting
@@ -86,8 +89,14 @@ class StateRetention:
         terms += ["backexp"] if self.backexp else []
         return "+".join(terms)
 
-    def keeps(self, layout: LayoutView, num_prompt_tokens: int, boundary: int, key_blocks: int | None = None,
-              junction: int = 0) -> bool:
+    def keeps(
+        self,
+        layout: LayoutView,
+        num_prompt_tokens: int,
+        boundary: int,
+        key_blocks: int | None = None,
+        junction: int = 0,
+    ) -> bool:
         """Whether the checkpoint `boundary` blocks into a prompt of `num_prompt_tokens` is stored;
         `key_blocks`: the request's keys stop there (a per-request cap), and so does its longest hit;
         `junction`: the boundary (blocks; 0: none) where the prompt diverged from a shared prefix."""
@@ -106,20 +115,32 @@ class StateRetention:
         back = last - j
         return self.backexp and back > 0 and back & (back - 1) == 0
 
-    def keeper(self, layout: LayoutView, num_prompt_tokens: int, key_blocks: int | None = None,
-               junction: int = 0) -> Callable[[int], bool]:
+    def keeper(
+        self, layout: LayoutView, num_prompt_tokens: int, key_blocks: int | None = None, junction: int = 0
+    ) -> Callable[[int], bool]:
         """`keeps` for one request: boundary (blocks) -> whether its checkpoint is stored (`plan.plan_save`'s
         `keep`)."""
         return lambda boundary: self.keeps(layout, num_prompt_tokens, boundary, key_blocks, junction)
 
-    def boundaries(self, layout: LayoutView, num_prompt_tokens: int, full_blocks: int, key_blocks: int | None = None,
-                   junction: int = 0) -> list[int]:
+    def boundaries(
+        self,
+        layout: LayoutView,
+        num_prompt_tokens: int,
+        full_blocks: int,
+        key_blocks: int | None = None,
+        junction: int = 0,
+    ) -> list[int]:
         """The kept boundaries (in blocks) among 1..full_blocks."""
-        return [k for k in range(1, full_blocks + 1)
-                if self.keeps(layout, num_prompt_tokens, k, key_blocks, junction)]
+        return [k for k in range(1, full_blocks + 1) if self.keeps(layout, num_prompt_tokens, k, key_blocks, junction)]
 
-    def state_blocks(self, layout: LayoutView, num_prompt_tokens: int, blocks: Iterable[int],
-                     key_blocks: int | None = None, junction: int = 0) -> list[int]:
+    def state_blocks(
+        self,
+        layout: LayoutView,
+        num_prompt_tokens: int,
+        blocks: Iterable[int],
+        key_blocks: int | None = None,
+        junction: int = 0,
+    ) -> list[int]:
         """Of the blocks an engine holds a checkpoint after (`pages_for_save`'s `state_blocks`: block i
         ends at boundary i + 1), those whose checkpoint is kept."""
         return [i for i in blocks if self.keeps(layout, num_prompt_tokens, i + 1, key_blocks, junction)]

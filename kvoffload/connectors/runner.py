@@ -16,8 +16,13 @@ log = logging.getLogger(__name__)
 
 
 class RunnerConnector:
-    def __init__(self, store: Store, engine, observer: Observer | None = None,
-                 state_retention: str | StateRetention | None = None):
+    def __init__(
+        self,
+        store: Store,
+        engine,
+        observer: Observer | None = None,
+        state_retention: str | StateRetention | None = None,
+    ):
         """`state_retention`: the block boundaries whose KDA checkpoint is saved (a
         `retention` policy or its string, e.g. 'last+exp'; default `retention.DEFAULT`)."""
         self.layout = engine.cache.layout
@@ -40,8 +45,9 @@ class RunnerConnector:
     def after_prefill(self, engine, request) -> None:
         full = len(request.prompt) // engine.block_size
         held = [i for i in range(full) if engine.pool.has_checkpoint(request.blocks[i])]
-        checkpoints = self.retention.state_blocks(self.layout, len(request.prompt), held,
-                                                  junction=self._junction(request))
+        checkpoints = self.retention.state_blocks(
+            self.layout, len(request.prompt), held, junction=self._junction(request)
+        )
         self.offloader.save(request.keys, full, checkpoints, request.blocks)
 
     def _junction(self, request) -> int:
@@ -50,8 +56,9 @@ class RunnerConnector:
         if not self.retention.junction:
             return 0
         try:
-            return hit_and_junction(self.layout, request.keys, len(request.prompt),
-                                    self.offloader.store.contains_many)[1]
+            return hit_and_junction(self.layout, request.keys, len(request.prompt), self.offloader.store.contains_many)[
+                1
+            ]
         except Exception as exc:  # noqa: BLE001 - a broken store: no junction, the save still runs
             log.error("kvoffload junction lookup failed: %s", exc, exc_info=True)
             return 0

@@ -25,6 +25,7 @@ BLOCK_WORDS = 2048  # per loop step of a program
 _WORD_TYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 if triton is not None:
+
     @triton.jit
     def _copy_tiles(src, dst, table, BLOCK: tl.constexpr):
         """Tile i: copy table[i, 2] words from src + table[i, 0] to dst + table[i, 1]."""
@@ -54,14 +55,26 @@ class SpanCopier:
         if self.use_triton and (triton is None or not on_gpu):
             raise ValueError("the Triton span copy needs triton and a GPU buffer")
 
-    def gather(self, offsets: np.ndarray, lengths: np.ndarray, staging: torch.Tensor, at: np.ndarray,
-               table: TileTable | None = None) -> None:
+    def gather(
+        self,
+        offsets: np.ndarray,
+        lengths: np.ndarray,
+        staging: torch.Tensor,
+        at: np.ndarray,
+        table: TileTable | None = None,
+    ) -> None:
         """buffer[offsets[i] : +lengths[i]] -> staging[at[i] : +lengths[i]], on the current stream.
         `table` is where the tile table is built; reuse one only after the last copy with it ran."""
         self._move(offsets, lengths, staging, at, True, table)
 
-    def scatter(self, offsets: np.ndarray, lengths: np.ndarray, staging: torch.Tensor, at: np.ndarray,
-                table: TileTable | None = None) -> None:
+    def scatter(
+        self,
+        offsets: np.ndarray,
+        lengths: np.ndarray,
+        staging: torch.Tensor,
+        at: np.ndarray,
+        table: TileTable | None = None,
+    ) -> None:
         """staging[at[i] : +lengths[i]] -> buffer[offsets[i] : +lengths[i]], on the current stream."""
         self._move(offsets, lengths, staging, at, False, table)
 
@@ -71,16 +84,18 @@ class SpanCopier:
         if int((at + lengths).max()) > staging.numel() or int((offsets + lengths).max()) > self.buffer.numel():
             raise ValueError("a span lies outside the staging buffer or the cache buffer")
         if self.use_triton:
-            w = word_size(np.concatenate([offsets, at, [self.buffer.storage_offset(), self.buffer.numel(),
-                                                         staging.numel()]]), lengths)
+            w = word_size(
+                np.concatenate([offsets, at, [self.buffer.storage_offset(), self.buffer.numel(), staging.numel()]]),
+                lengths,
+            )
             src_at, dst_at = (offsets // w, at // w) if to_staging else (at // w, offsets // w)
             tiles = (table or TileTable(self.buffer.device)).fill(src_at, dst_at, lengths // w)
             buffer, stage = self.buffer.view(_WORD_TYPES[w]), staging.view(_WORD_TYPES[w])
             src, dst = (buffer, stage) if to_staging else (stage, buffer)
             _copy_tiles[(tiles.shape[0],)](src, dst, tiles, BLOCK=BLOCK_WORDS, num_warps=8)
         else:
-            parts = [self.buffer[o:o + n] for o, n in zip(offsets.tolist(), lengths.tolist())]
-            staged = [staging[a:a + n] for a, n in zip(at.tolist(), lengths.tolist())]
+            parts = [self.buffer[o : o + n] for o, n in zip(offsets.tolist(), lengths.tolist())]
+            staged = [staging[a : a + n] for a, n in zip(at.tolist(), lengths.tolist())]
             targets, sources = (staged, parts) if to_staging else (parts, staged)
             torch._foreach_copy_(targets, sources)
 
@@ -107,10 +122,10 @@ class TileTable:
         step = (np.arange(len(span)) - np.repeat(np.cumsum(count) - count, count)) * TILE_WORDS
         self.reserve(len(span))
         assert self.host is not None and self.on_device is not None  # reserved: a move has at least one tile
-        rows = self.host.numpy()[:len(span)]
+        rows = self.host.numpy()[: len(span)]
         rows[:, 0] = src_at[span] + step
         rows[:, 1] = dst_at[span] + step
         rows[:, 2] = np.minimum(words[span] - step, TILE_WORDS)
-        on_device = self.on_device[:len(span)]
-        on_device.copy_(self.host[:len(span)], non_blocking=True)
+        on_device = self.on_device[: len(span)]
+        on_device.copy_(self.host[: len(span)], non_blocking=True)
         return on_device

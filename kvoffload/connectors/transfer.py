@@ -80,19 +80,20 @@ class HostTransfer:
         out = np.empty(sum(n for _, n in spans), dtype=np.uint8) if out is None else out
         at = 0
         for offset, n in spans:
-            out[at:at + n] = self.buffer[offset:offset + n]
+            out[at : at + n] = self.buffer[offset : offset + n]
             at += n
         return out
 
     def scatter(self, group: CacheGroup, block: int, page: np.ndarray) -> None:
         at = 0
         for offset, n in page_spans(group, block):
-            self.buffer[offset:offset + n] = page[at:at + n]
+            self.buffer[offset : offset + n] = page[at : at + n]
             at += n
 
     def save(self, store: Store, pages: Sequence[Page], after=None) -> list[bool]:
         """Gather each page straight into the store's destination (an arena slot, or a buffer a
         persistent tier then writes); True per page made durable."""
+
         def fill(destinations: list[np.ndarray | None]) -> list[bool]:
             for p, out in zip(pages, destinations):
                 if out is not None:

@@ -76,6 +76,7 @@ if TYPE_CHECKING:
 
 __all__ = ["KVOffloadConnector", "KVOffloadMetadata", "LoadJob", "SaveJob", "StoredPages", "EXTRA_CONFIG_KEYS"]
 
+
 class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -86,8 +87,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._kv_transfer_config.kv_load_failure_policy = config.load_failure_policy
         self.store_url = config.store
         parallel = vllm_config.parallel_config
-        self.tp_rank, self.tp_size = getattr(parallel, "rank", 0) % max(parallel.tensor_parallel_size, 1), \
-            parallel.tensor_parallel_size
+        self.tp_rank, self.tp_size = (
+            getattr(parallel, "rank", 0) % max(parallel.tensor_parallel_size, 1),
+            parallel.tensor_parallel_size,
+        )
         model_id = config.model_id or str(vllm_config.model_config.model)
         # The whole model config and the weights' content (or model_revision): any change, no old keys.
         self.model_identity = vllm_model_identity(vllm_config, config.model_revision)
@@ -99,21 +102,26 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         share = not config.spec.process_local
         dcp_size = int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
         self.view = scheduler_view(kv_cache_config, tp_size=self.tp_size, dcp_size=dcp_size, share_replicas=share)
-        if config.spec.admit > 1 and \
-                any(g.tp_replicas > 1 for g in self.view.cacheable_groups):
-            raise ConfigError("KVOffloadConnector: tiered:// admit= above 1 is not supported with tensor parallelism "
-                              "on this model: TP ranks share some pages (written once, read by all), and a shared "
-                              "page waiting for admission is in the memory tier of the rank that wrote it only; "
-                              "leave admit at 1")
+        if config.spec.admit > 1 and any(g.tp_replicas > 1 for g in self.view.cacheable_groups):
+            raise ConfigError(
+                "KVOffloadConnector: tiered:// admit= above 1 is not supported with tensor parallelism "
+                "on this model: TP ranks share some pages (written once, read by all), and a shared "
+                "page waiting for admission is in the memory tier of the rank that wrote it only; "
+                "leave admit at 1"
+            )
         self.block_size = self.view.block_size
         self.kinds = list(self.view.kinds)
         if not any(kind is not GroupKind.SKIP for kind in self.kinds):
             raise UnsupportedLayoutError("KVOffloadConnector: no prefix-cacheable KV cache group")
         # The key chain's context is equal in the scheduler and every worker (what both see: model identity,
         # dtypes, block size, group kinds, layers and page contents, never byte offsets).
-        context = key_context(self.view, kv_cache_config, model_id=f"{model_id}#{self.model_identity}",
-                              model_dtype=str(vllm_config.model_config.dtype),
-                              cache_dtype=str(vllm_config.cache_config.cache_dtype))
+        context = key_context(
+            self.view,
+            kv_cache_config,
+            model_id=f"{model_id}#{self.model_identity}",
+            model_dtype=str(vllm_config.model_config.dtype),
+            cache_dtype=str(vllm_config.cache_config.cache_dtype),
+        )
         self.namespace = config.namespace
         self.chain = KeyChain(context, self.block_size, namespace=self.namespace)
         self.connector_scheduler: _Scheduler | None = None
@@ -122,17 +130,36 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         events = bool(events_config is not None and events_config.enable_kv_cache_events)
         if role == KVConnectorRole.SCHEDULER:
             workers = max(int(getattr(parallel, "world_size", 1) or 1), 1)
-            self.connector_scheduler = _Scheduler(self.view, self.chain, self.store_url, self.tp_size, workers,
-                                                  self.namespace, spec=config.spec, max_blocks=config.max_blocks,
-                                                  prefetch=config.prefetch_budget != 0, retention=config.retention)
+            self.connector_scheduler = _Scheduler(
+                self.view,
+                self.chain,
+                self.store_url,
+                self.tp_size,
+                workers,
+                self.namespace,
+                spec=config.spec,
+                max_blocks=config.max_blocks,
+                prefetch=config.prefetch_budget != 0,
+                retention=config.retention,
+            )
             if events:  # vLLM drains take_events every step
                 self.connector_scheduler.enable_events(
-                    getattr(kv_cache_config, "hash_block_size", None) or self.block_size)
+                    getattr(kv_cache_config, "hash_block_size", None) or self.block_size
+                )
         else:
-            self.connector_worker = _Worker(kv_cache_config, self.view, self.store_url,
-                                            f"{model_id}#{self.model_identity}", self.tp_rank, self.tp_size,
-                                            self.namespace, dcp_size=dcp_size, share_replicas=share,
-                                            prefetch_budget=config.prefetch_budget, report_evictions=events)
+            self.connector_worker = _Worker(
+                kv_cache_config,
+                self.view,
+                self.store_url,
+                f"{model_id}#{self.model_identity}",
+                self.tp_rank,
+                self.tp_size,
+                self.namespace,
+                dcp_size=dcp_size,
+                share_replicas=share,
+                prefetch_budget=config.prefetch_budget,
+                report_evictions=events,
+            )
 
     # ------------------------------------------------------------------ scheduler side
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:

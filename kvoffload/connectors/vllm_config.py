@@ -22,23 +22,34 @@ def _doc(text: str, default: Any = None) -> Any:
 
 @dataclass(frozen=True)
 class ConnectorConfig:
-    store: str = _doc("store URL (memory://, lmdb:///abs/dir, redis://host:port/db, tiered://...); default lmdb "
-                      "under ~/.cache/kvoffload", "")
-    namespace: str = _doc("key namespace: deployments that must not share cached prefixes use different ones",
-                          "vllm")
+    store: str = _doc(
+        "store URL (memory://, lmdb:///abs/dir, redis://host:port/db, tiered://...); default lmdb "
+        "under ~/.cache/kvoffload",
+        "",
+    )
+    namespace: str = _doc("key namespace: deployments that must not share cached prefixes use different ones", "vllm")
     model_id: str | None = _doc("identity of the weights in the layout fingerprint (default: the served model name)")
-    model_revision: str | None = _doc("a revision naming the weights (a commit, a checksum): keys use it instead "
-                                      "of hashing the weight files")
-    load_failure_policy: LoadFailurePolicy = _doc("'recompute' (default: a failed load is a cache miss) or 'fail' "
-                                                  "(vLLM's own default)", "recompute")
-    max_saved_blocks: str | None = _doc("save at most this many leading blocks of each prompt (a per-request cap "
-                                        "on what one request may write; default: every full block)")
-    prefetch_bytes: str | None = _doc("tiered:// only: bytes each worker may promote from the slow tier into its "
-                                      "memory tier for requests still queued (prefetch); 0 turns it off; default "
-                                      "a quarter of the memory tier")
-    state_retention: str = _doc("the block boundaries whose KDA / Mamba checkpoint is saved, of those vLLM hands "
-                                "off: 'every', 'last' (where the prompt's longest hit ends), 'last+every:K', "
-                                "'last+exp', 'last+backexp' (`kvoffload.connectors.retention`)", str(DEFAULT))
+    model_revision: str | None = _doc(
+        "a revision naming the weights (a commit, a checksum): keys use it instead of hashing the weight files"
+    )
+    load_failure_policy: LoadFailurePolicy = _doc(
+        "'recompute' (default: a failed load is a cache miss) or 'fail' (vLLM's own default)", "recompute"
+    )
+    max_saved_blocks: str | None = _doc(
+        "save at most this many leading blocks of each prompt (a per-request cap "
+        "on what one request may write; default: every full block)"
+    )
+    prefetch_bytes: str | None = _doc(
+        "tiered:// only: bytes each worker may promote from the slow tier into its "
+        "memory tier for requests still queued (prefetch); 0 turns it off; default "
+        "a quarter of the memory tier"
+    )
+    state_retention: str = _doc(
+        "the block boundaries whose KDA / Mamba checkpoint is saved, of those vLLM hands "
+        "off: 'every', 'last' (where the prompt's longest hit ends), 'last+every:K', "
+        "'last+exp', 'last+backexp' (`kvoffload.connectors.retention`)",
+        str(DEFAULT),
+    )
     spec: StoreSpec = field(init=False, repr=False, compare=False)  # the store URL, parsed once
     retention: StateRetention = field(init=False, repr=False, compare=False)  # state_retention, parsed once
 
@@ -46,11 +57,14 @@ class ConnectorConfig:
         for f in fields(self):
             value = getattr(self, f.name, None)
             if f.init and value is not None and not isinstance(value, str):
-                raise ConfigError(f"KVOffloadConnector: {f.name} must be a string, got {type(value).__name__} "
-                                  f"{str(value)[:40]!r}")
+                raise ConfigError(
+                    f"KVOffloadConnector: {f.name} must be a string, got {type(value).__name__} {str(value)[:40]!r}"
+                )
         if self.load_failure_policy not in LOAD_FAILURE_POLICIES:
-            raise ConfigError("KVOffloadConnector: load_failure_policy must be 'recompute' or 'fail', got "
-                              f"{self.load_failure_policy!r}")
+            raise ConfigError(
+                "KVOffloadConnector: load_failure_policy must be 'recompute' or 'fail', got "
+                f"{self.load_failure_policy!r}"
+            )
         if not self.namespace:
             raise ConfigError("KVOffloadConnector: namespace must not be empty")
         object.__setattr__(self, "store", self.store or vllm_store_url())
@@ -62,8 +76,10 @@ class ConnectorConfig:
             raise ConfigError(f"KVOffloadConnector: state_retention: {exc}") from None
         self.prefetch_budget  # noqa: B018 - a bad size is a StoreConfigError (a ConfigError) at start-up
         if self.max_saved_blocks is not None and not (self.max_saved_blocks.isdigit() and int(self.max_saved_blocks)):
-            raise ConfigError("KVOffloadConnector: max_saved_blocks must be a positive whole number of blocks, got "
-                              f"{self.max_saved_blocks[:40]!r}")
+            raise ConfigError(
+                "KVOffloadConnector: max_saved_blocks must be a positive whole number of blocks, got "
+                f"{self.max_saved_blocks[:40]!r}"
+            )
 
     @property
     def prefetch_budget(self) -> int | None:
@@ -85,8 +101,10 @@ class ConnectorConfig:
         extra = dict(extra or {})
         unknown = sorted(set(extra) - set(EXTRA_CONFIG_KEYS))
         if unknown:
-            raise ConfigError(f"KVOffloadConnector: unknown kv_connector_extra_config key(s) {unknown}; "
-                              f"known: {sorted(EXTRA_CONFIG_KEYS)}")
+            raise ConfigError(
+                f"KVOffloadConnector: unknown kv_connector_extra_config key(s) {unknown}; "
+                f"known: {sorted(EXTRA_CONFIG_KEYS)}"
+            )
         return cls(**{k: v for k, v in extra.items() if v is not None})
 
 

@@ -58,8 +58,14 @@ class KVEvents:
     MAX_CHECKS = 8  # a saved block not held after this many job reports (no checkpoint, a dropped save) is dropped
     MAX_PENDING = 4096  # saved blocks waiting to be seen held (each check queries all their pages)
 
-    def __init__(self, layout, medium: str, hash_block_size: int, contains: Callable[[list[bytes]], list[bool]],
-                 max_blocks: int = 1 << 16):
+    def __init__(
+        self,
+        layout,
+        medium: str,
+        hash_block_size: int,
+        contains: Callable[[list[bytes]], list[bool]],
+        max_blocks: int = 1 << 16,
+    ):
         self.layout, self.medium, self.contains, self.max_blocks = layout, medium, contains, max_blocks
         self.hash_block_size = hash_block_size or layout.block_size
         cacheable = list(layout.cacheable_groups)
@@ -71,17 +77,22 @@ class KVEvents:
 
     def _block(self, request, block_keys: Sequence[bytes], i: int) -> _Block | None:
         r = self.layout.block_size // self.hash_block_size
-        hashes = list(getattr(request, "block_hashes", None) or [])[i * r:(i + 1) * r]
+        hashes = list(getattr(request, "block_hashes", None) or [])[i * r : (i + 1) * r]
         if len(hashes) < r or r < 1:
             return None  # vLLM has no hash for it (no prefix caching hash): nothing a router could match
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-        tokens = list(request.prompt_token_ids or [])[i * self.layout.block_size:(i + 1) * self.layout.block_size]
+        tokens = list(request.prompt_token_ids or [])[i * self.layout.block_size : (i + 1) * self.layout.block_size]
         lora = getattr(request, "lora_request", None)
         pages = held_keys(self.layout, block_keys, i)
-        return _Block([maybe_convert_block_hash(h) for h in hashes],
-                      maybe_convert_block_hash(request.block_hashes[i * r - 1]) if i > 0 else None, tokens,
-                      lora.adapter_id if lora is not None else None, lora.name if lora is not None else None, pages)
+        return _Block(
+            [maybe_convert_block_hash(h) for h in hashes],
+            maybe_convert_block_hash(request.block_hashes[i * r - 1]) if i > 0 else None,
+            tokens,
+            lora.adapter_id if lora is not None else None,
+            lora.name if lora is not None else None,
+            pages,
+        )
 
     def saved(self, request, block_keys: Sequence[bytes], indices: Iterable[int]) -> None:
         """A save job wrote pages of these blocks: check them once the job is reported (`check`)."""
@@ -124,10 +135,18 @@ class KVEvents:
         self._pending.pop(key, None)
         self._held[key] = block
         self._owner.update((p, key) for p in block.pages)
-        self._events.append(BlockStored(
-            block_hashes=block.hashes, parent_block_hash=block.parent, token_ids=block.token_ids,
-            block_size=self.hash_block_size, lora_id=block.lora_id, medium=self.medium,
-            lora_name=block.lora_name, group_idx=self.group_idx))
+        self._events.append(
+            BlockStored(
+                block_hashes=block.hashes,
+                parent_block_hash=block.parent,
+                token_ids=block.token_ids,
+                block_size=self.hash_block_size,
+                lora_id=block.lora_id,
+                medium=self.medium,
+                lora_name=block.lora_name,
+                group_idx=self.group_idx,
+            )
+        )
         while len(self._held) > self.max_blocks:
             self._forget(next(iter(self._held)))
 

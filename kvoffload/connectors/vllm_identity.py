@@ -25,8 +25,12 @@ def _weights_path(vllm_config) -> str | None:
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(model, revision=model_config.revision, local_files_only=True,
-                                 cache_dir=getattr(vllm_config.load_config, "download_dir", None))
+        return snapshot_download(
+            model,
+            revision=model_config.revision,
+            local_files_only=True,
+            cache_dir=getattr(vllm_config.load_config, "download_dir", None),
+        )
     except Exception:  # noqa: BLE001 - not in the local hub cache (ModelScope, a custom loader...)
         return None
 
@@ -38,9 +42,11 @@ def vllm_model_identity(vllm_config, model_revision: str | None) -> str:
     try:
         weights = weights_identity(None if model_revision else _weights_path(vllm_config), model_revision)
     except ModelIdentityError as exc:
-        raise ModelIdentityError(f"KVOffloadConnector: cannot tell which weights {model_config.model!r} serves "
-                                 f"({exc}): set kv_connector_extra_config model_revision to a revision that "
-                                 "names them (a commit, a checksum), or put the weights on local disk") from None
+        raise ModelIdentityError(
+            f"KVOffloadConnector: cannot tell which weights {model_config.model!r} serves "
+            f"({exc}): set kv_connector_extra_config model_revision to a revision that "
+            "names them (a commit, a checksum), or put the weights on local disk"
+        ) from None
     identity = model_identity(config, weights)
     log.info("KVOffloadConnector: model identity %s", identity)
     return identity

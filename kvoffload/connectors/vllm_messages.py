@@ -70,6 +70,6 @@ class StoredPages(KVConnectorWorkerMetadata):
         cleared = dict(self.cleared)
         for generation, count in other.cleared.items():
             cleared[generation] = cleared.get(generation, 0) + count
-        return StoredPages({**self.added, **other.added}, self.missing | other.missing, done, cleared,
-                           self.evicted | other.evicted)
-
+        return StoredPages(
+            {**self.added, **other.added}, self.missing | other.missing, done, cleared, self.evicted | other.evicted
+        )

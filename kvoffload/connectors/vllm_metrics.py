@@ -55,8 +55,9 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         # metric_types[Counter]: prometheus's Counter or a drop-in for it (vLLM's Ray wrappers); typed as the former
         self._counters: dict[str, Counter] = {
-            name: cast(Counter, self._counter_cls(name=f"vllm:kvoffload_{name}", documentation=doc,
-                                                  labelnames=labelnames))
+            name: cast(
+                Counter, self._counter_cls(name=f"vllm:kvoffload_{name}", documentation=doc, labelnames=labelnames)
+            )
             for name, doc in COUNTERS.items()
         }
 

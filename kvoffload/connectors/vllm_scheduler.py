@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from ..spec import KeyChain, request_salt
 from ..spec.layout import KindsLayout
@@ -33,7 +33,8 @@ class _MirrorIndex:
     def __init__(self, capacity: int, evict: str = "lru"):
         from ..store.eviction import make_policy
 
-        self.capacity, self.used, self.sizes = capacity, 0, {}
+        self.capacity, self.used = capacity, 0
+        self.sizes: dict[bytes, int] = {}
         self.policy = make_policy(evict, capacity)
 
     def _drop(self, key: bytes) -> None:
@@ -76,7 +77,15 @@ def _mirror_for(spec: StoreSpec, workers: int) -> _MirrorIndex | None:
     local = spec.memory_front if spec.admit > 1 else spec
     if local is None or not local.process_local:
         return None
-    return _MirrorIndex(workers * local.capacity, local.evict)
+    memory = cast(_ProcessMemory, local)  # only a memory tier lives in one process: it has both
+    return _MirrorIndex(workers * memory.capacity, memory.evict)
+
+
+class _ProcessMemory(Protocol):
+    """What the mirror needs of a memory tier's spec."""
+
+    capacity: int
+    evict: str
 
 
 @dataclass
@@ -103,9 +112,20 @@ class _PinnedJob:
 class _Scheduler:
     """The scheduler process's half: plans on `layout` (kinds only), keys requests with `chain`."""
 
-    def __init__(self, layout: KindsLayout, chain: KeyChain, store_url: str, tp_size: int, workers: int,
-                 namespace: str = "vllm", *, spec: StoreSpec | None = None, max_blocks: int | None = None,
-                 prefetch: bool = False, retention: StateRetention = DEFAULT):
+    def __init__(
+        self,
+        layout: KindsLayout,
+        chain: KeyChain,
+        store_url: str,
+        tp_size: int,
+        workers: int,
+        namespace: str = "vllm",
+        *,
+        spec: StoreSpec | None = None,
+        max_blocks: int | None = None,
+        prefetch: bool = False,
+        retention: StateRetention = DEFAULT,
+    ):
         """`spec`: `store_url` as the connector's configuration parsed it (parsed here when absent);
         `max_blocks`: a request's keys (hence its saves and hits) stop after this many prompt blocks;
         `prefetch`: queued requests' stored prefixes are promoted into the workers' memory tier;
@@ -183,15 +203,18 @@ class _Scheduler:
 
     def _salted_chain(self, request: Request) -> KeyChain:
         lora = getattr(request, "lora_request", None)
-        salt = request_salt(getattr(request, "cache_salt", None), lora.lora_name if lora is not None else None,
-                            [f.identifier for f in (getattr(request, "mm_features", None) or [])])
+        salt = request_salt(
+            getattr(request, "cache_salt", None),
+            lora.lora_name if lora is not None else None,
+            [f.identifier for f in (getattr(request, "mm_features", None) or [])],
+        )
         return self.chain if salt is None else self.chain.with_salt(salt)
 
     def _state(self, request: Request) -> _RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
             prompt = list(request.prompt_token_ids or [])
-            keys = self._salted_chain(request).keys(prompt)[:self.max_blocks]  # prompt blocks only, capped
+            keys = self._salted_chain(request).keys(prompt)[: self.max_blocks]  # prompt blocks only, capped
             state = _RequestState(keys, len(prompt))
             self._requests[request.request_id] = state
         if self._events is not None:
@@ -234,8 +257,9 @@ class _Scheduler:
         if num_computed_tokens % self.block_size or state.load_failed or self._uncleared > 0:
             return 0, False
         try:  # every TP rank's pages (the layout knows tp_size and which groups ranks share)
-            total, junction = hit_and_junction(self.layout, state.block_keys, state.num_prompt_tokens,
-                                               self._present, have)
+            total, junction = hit_and_junction(
+                self.layout, state.block_keys, state.num_prompt_tokens, self._present, have
+            )
             state.junction = max(state.junction, junction)
         except Exception as exc:  # noqa: BLE001 - a broken store is a miss, never a failed engine
             log.error("KVOffloadConnector lookup failed: %s", exc, exc_info=True)
@@ -273,17 +297,18 @@ class _Scheduler:
         handoffs = block_state.boundary_state_offloads if block_state is not None else {}
         computed = self._num_computed(scheduler_output)
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
-            state = self._requests.get(req_id)
-            if state is None:
+            saving = self._requests.get(req_id)
+            if saving is None:
                 continue
-            pages = self._save_pages(req_id, state, scheduled, computed.get(req_id, 0), block_state,
-                                     handoffs.get(req_id, ()))
+            pages = self._save_pages(
+                req_id, saving, scheduled, computed.get(req_id, 0), block_state, handoffs.get(req_id, ())
+            )
             if pages:
-                job = SaveJob(req_id, rank_free(state.block_keys, pages))
-                if self._events is not None and state.request is not None:
-                    self._events.saved(state.request, state.block_keys, [p.index for p in pages])
-                self._pin(job, in_flight_keys(self.layout, state.block_keys, pages))
-                state.sent_saves = True
+                job = SaveJob(req_id, rank_free(saving.block_keys, pages))
+                if self._events is not None and saving.request is not None:
+                    self._events.saved(saving.request, saving.block_keys, [p.index for p in pages])
+                self._pin(job, in_flight_keys(self.layout, saving.block_keys, pages))
+                saving.sent_saves = True
                 meta.saves.append(job)
         meta.await_saves, self._await_saves = self._await_saves, []
         meta.idle = not scheduler_output.num_scheduled_tokens
@@ -300,13 +325,17 @@ class _Scheduler:
         land after this clear) before the next step's loads and saves, and no lookup hits until every
         worker has reported doing so. False, with the reason logged, when nothing was cleared."""
         if self._pinned:
-            log.warning("KVOffloadConnector: reset_cache refused: %d save job(s) still in flight; retry once "
-                        "the engine is idle", len(self._pinned))
+            log.warning(
+                "KVOffloadConnector: reset_cache refused: %d save job(s) still in flight; retry once "
+                "the engine is idle",
+                len(self._pinned),
+            )
             return False
         store = self._store
         if store is not None and not store.clear(self.namespace):
-            log.warning("KVOffloadConnector: reset_cache: the store %s was not cleared (see above)",
-                        redact_url(store.url))
+            log.warning(
+                "KVOffloadConnector: reset_cache: the store %s was not cleared (see above)", redact_url(store.url)
+            )
             return False
         if self._mirror is not None:
             self._mirror.clear()
@@ -325,7 +354,7 @@ class _Scheduler:
         `keys` (every rank's, `plan.in_flight_keys`) count as present for lookups meanwhile."""
         self._next_job += 1
         job.job_id = self._next_job
-        blocks = []
+        blocks: list = []  # vLLM's KVCacheBlock objects
         if self._block_pool is not None:
             blocks = [self._block_pool.blocks[block_id] for _, _, _, block_id in job.pages]
             self._block_pool.touch(blocks)
@@ -340,7 +369,7 @@ class _Scheduler:
         if pinned.reports < self._workers:
             return
         del self._pinned[job_id]
-        if pinned.blocks:
+        if pinned.blocks and self._block_pool is not None:
             self._block_pool.free_blocks(pinned.blocks)
         in_flight = self._in_flight
         for key in pinned.keys:  # a job's keys are distinct
@@ -357,11 +386,16 @@ class _Scheduler:
         if full <= state.saved_blocks and not handoffs:
             return []
         tables = block_state.get_block_ids(req_id) if block_state is not None and full > state.saved_blocks else None
-        save = plan_save(self.layout, state.block_keys, full if tables is not None else state.saved_blocks,
-                         table=None if tables is None else dict(enumerate(tables)), start=state.saved_blocks,
-                         handoffs=handoffs, loaded=range(*state.loaded),
-                         keep=self.retention.keeper(self.layout, state.num_prompt_tokens, len(state.block_keys),
-                                                    state.junction))
+        save = plan_save(
+            self.layout,
+            state.block_keys,
+            full if tables is not None else state.saved_blocks,
+            table=None if tables is None else dict(enumerate(tables)),
+            start=state.saved_blocks,
+            handoffs=handoffs,
+            loaded=range(*state.loaded),
+            keep=self.retention.keeper(self.layout, state.num_prompt_tokens, len(state.block_keys), state.junction),
+        )
         if tables is not None:
             state.saved_blocks = full
         if save.not_retained:

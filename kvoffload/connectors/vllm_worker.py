@@ -11,7 +11,7 @@ from collections import Counter
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from ..spec.layout import KindsLayout
+from ..spec.layout import CacheLayout, KindsLayout
 from ..spec.vllm import check_agreement, check_tensors, from_vllm
 from ..store import shared_store
 from .jobs import Jobs, LoadDone
@@ -32,9 +32,21 @@ class _Worker:
     """A worker process's half: `view` is what the scheduler plans with (checked against this
     worker's layout in `register_kv_caches`)."""
 
-    def __init__(self, kv_cache_config, view: KindsLayout, store_url: str, model_id: str, tp_rank: int,
-                 tp_size: int, namespace: str = "vllm", *, dcp_size: int = 1, share_replicas: bool = True,
-                 prefetch_budget: int | None = 0, report_evictions: bool = False):
+    def __init__(
+        self,
+        kv_cache_config,
+        view: KindsLayout,
+        store_url: str,
+        model_id: str,
+        tp_rank: int,
+        tp_size: int,
+        namespace: str = "vllm",
+        *,
+        dcp_size: int = 1,
+        share_replicas: bool = True,
+        prefetch_budget: int | None = 0,
+        report_evictions: bool = False,
+    ):
         """`prefetch_budget`: bytes its prefetch may hold for queued requests (0: none; None: a quarter
         of the store's memory tier); `report_evictions`: KV events are enabled; report the keys the
         store evicts (`StoredPages.evicted`)."""
@@ -45,7 +57,7 @@ class _Worker:
         self.jobs: Jobs | None = None
         self.prefetcher: Prefetcher | None = None
         self._prefetch_budget = prefetch_budget
-        self.layout = None
+        self.layout: CacheLayout | None = None
         self._saving: Counter[str] = Counter()  # request -> save jobs submitted and not done
         self._awaited: set[str] = set()  # finished requests the scheduler waits on
         self._model_id = model_id
@@ -64,9 +76,15 @@ class _Worker:
             self.tp_rank = get_tensor_model_parallel_rank()
         except Exception:  # noqa: BLE001 - not initialised (single process): keep the config's rank
             pass
-        layout = from_vllm(self.kv_cache_config, model_id=self._model_id, tp_rank=self.tp_rank,
-                           tp_size=self.tp_size, dcp_size=self._dcp_size, share_replicas=self._share_replicas,
-                           kv_caches=kv_caches)  # the tensors' dim orders: fingerprint
+        layout = from_vllm(
+            self.kv_cache_config,
+            model_id=self._model_id,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            dcp_size=self._dcp_size,
+            share_replicas=self._share_replicas,
+            kv_caches=kv_caches,
+        )  # the tensors' dim orders: fingerprint
         check_agreement(self.view, layout)  # UnsupportedLayoutError at start-up, never wrong pages later
         check_tensors(layout, kv_caches)  # the real (CUDA) tensors lie where the config says
         any_cache = next(iter(kv_caches.values()))
@@ -84,29 +102,35 @@ class _Worker:
         if budget and front is not None:
             self.prefetcher = Prefetcher(store, budget, name=f"kvoffload-prefetch-tp{self.tp_rank}")
         self.layout = layout
-        log.info("KVOffloadConnector: %s, %d bytes stored per block, transfer warm start %.0f ms", self.store_url,
-                 layout.stored_bytes_per_block(), 1e3 * self.offloader.warm_up_s)
+        log.info(
+            "KVOffloadConnector: %s, %d bytes stored per block, transfer warm start %.0f ms",
+            self.store_url,
+            layout.stored_bytes_per_block(),
+            1e3 * self.offloader.warm_up_s,
+        )
 
     def start_load_kv(self, meta) -> None:
         """Submit this step's loads; they finish in the background (reported by get_transfer_results)."""
         self._idle_step = False
-        if not isinstance(meta, KVOffloadMetadata) or self.jobs is None:
-            return
+        offloader, layout = self.offloader, self.layout
+        if not isinstance(meta, KVOffloadMetadata) or self.jobs is None or offloader is None or layout is None:
+            return  # not registered yet (register_kv_caches makes all three)
         self._idle_step = meta.idle
         if meta.clear_store:  # before this step's loads and saves; no save is in flight (see reset_cache)
             if self.prefetcher is not None and not self.prefetcher.cancel_all():
-                log.warning("KVOffloadConnector: worker %d: a prefetch still runs while its store is cleared",
-                            self.tp_rank)
+                log.warning(
+                    "KVOffloadConnector: worker %d: a prefetch still runs while its store is cleared", self.tp_rank
+                )
             self._report.added.clear()
-            if not self.offloader.store.clear(self.namespace):
+            if not offloader.store.clear(self.namespace):
                 log.warning("KVOffloadConnector: worker %d could not clear its store", self.tp_rank)
             self._report.cleared[meta.clear_store] = 1
         if self.prefetcher is not None:  # before the loads: a request's load takes over from its prefetch
             self.prefetcher.done(meta.prefetch_done)
             for job in meta.prefetches:
-                self.prefetcher.submit(job.req_id, pages_for_load(self.layout, job.block_keys, 0, job.end))
-        for job in meta.loads:
-            self.jobs.submit_load(job.req_id, job.block_keys, job.start, job.end, job.block_ids)
+                self.prefetcher.submit(job.req_id, pages_for_load(layout, job.block_keys, 0, job.end))
+        for load in meta.loads:
+            self.jobs.submit_load(load.req_id, load.block_keys, load.start, load.end, load.block_ids)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Loads and saves finished since the last step. A failed load is also 'finished' so the request
@@ -140,7 +164,7 @@ class _Worker:
 
     def wait_for_save(self, meta) -> None:
         """Submit this step's saves (after the forward that computed them); nothing waits here."""
-        if not isinstance(meta, KVOffloadMetadata) or self.jobs is None:
+        if not isinstance(meta, KVOffloadMetadata) or self.jobs is None or self.offloader is None:
             return
         for job in meta.saves:  # this rank's keys; a replicated group's pages only on its writing rank
             self._saving[job.req_id] += 1
@@ -151,7 +175,7 @@ class _Worker:
         """The store's eviction listener (a save job's or a write-behind thread): kept for the next report."""
         with self._evicted_lock:
             room = MAX_EVICTED - len(self._evicted)
-            self._evicted.update(dict.fromkeys(keys[:max(room, 0)]))
+            self._evicted.update(dict.fromkeys(keys[: max(room, 0)]))
 
     def build_connector_worker_meta(self) -> StoredPages | None:
         report = self._report

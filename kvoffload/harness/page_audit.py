@@ -35,8 +35,10 @@ class PageAudit:
 
         connector = get_kv_transfer_group()
         if not isinstance(connector, KVOffloadConnector) or connector.connector_worker is None:
-            raise RuntimeError(f"page audit: this process's KV connector is not a KVOffloadConnector worker "
-                               f"({type(connector).__name__})")
+            raise RuntimeError(
+                f"page audit: this process's KV connector is not a KVOffloadConnector worker "
+                f"({type(connector).__name__})"
+            )
         offloader = connector.connector_worker.offloader
         if offloader is None:
             raise RuntimeError("page audit: the connector's worker has no KV caches registered yet")
@@ -67,9 +69,21 @@ class PageAudit:
     def summary(self) -> dict:
         layout = self.offloader.layout
         with self._lock:
-            return {"saved_pages": dict(self.saved_counts), "loaded_pages": dict(self.loaded_counts),
-                    "equal_to_store": self.equal_to_store, "equal_to_saved": self.equal_to_saved,
-                    "mismatches": list(self.mismatches[:20]), "block_size": layout.block_size,
-                    "stored_bytes_per_block": layout.stored_bytes_per_block(),
-                    "groups": [{"name": g.name, "kind": g.kind.value, "spec": g.spec_type,
-                                "used_bytes_per_block": g.used_bytes_per_block} for g in layout.groups]}
+            return {
+                "saved_pages": dict(self.saved_counts),
+                "loaded_pages": dict(self.loaded_counts),
+                "equal_to_store": self.equal_to_store,
+                "equal_to_saved": self.equal_to_saved,
+                "mismatches": list(self.mismatches[:20]),
+                "block_size": layout.block_size,
+                "stored_bytes_per_block": layout.stored_bytes_per_block(),
+                "groups": [
+                    {
+                        "name": g.name,
+                        "kind": g.kind.value,
+                        "spec": g.spec_type,
+                        "used_bytes_per_block": g.used_bytes_per_block,
+                    }
+                    for g in layout.groups
+                ],
+            }

@@ -9,10 +9,24 @@ import sys
 import time
 from typing import Any
 
-HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "update_connector_output",
-         "request_finished", "request_finished_all_groups", "start_load_kv", "wait_for_layer_load", "save_kv_layer",
-         "wait_for_save", "get_finished", "get_transfer_results", "build_connector_worker_meta",
-         "get_kv_connector_stats", "bind_connector_metadata", "clear_connector_metadata")
+HOOKS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+    "get_finished",
+    "get_transfer_results",
+    "build_connector_worker_meta",
+    "get_kv_connector_stats",
+    "bind_connector_metadata",
+    "clear_connector_metadata",
+)
 
 
 def _time_connector_hooks(kv_transfer_config: dict | None) -> list[float]:
@@ -75,23 +89,33 @@ def _stall(llm, command: dict) -> dict:
     tag = f"stall{time.monotonic_ns()}"
     scheduler.schedule = recorded
     try:
-        decode = SamplingParams(temperature=0.0, max_tokens=command.get("decode_max_tokens", 1024), ignore_eos=True,
-                                detokenize=False)
-        ids = {engine.add_request(f"{tag}-d{i}", {"prompt_token_ids": p}, decode)
-               for i, p in enumerate(command["decode_prompts"])}
+        decode = SamplingParams(
+            temperature=0.0, max_tokens=command.get("decode_max_tokens", 1024), ignore_eos=True, detokenize=False
+        )
+        ids = {
+            engine.add_request(f"{tag}-d{i}", {"prompt_token_ids": p}, decode)
+            for i, p in enumerate(command["decode_prompts"])
+        }
         started: set[str] = set()
         while len(started) < len(ids):
             _, _, outs = step()
             started |= {o.request_id for o in outs if o.outputs and o.outputs[0].token_ids}
 
         def row(seconds: float, tokens: dict) -> dict:
-            return {"s": seconds, "long": tokens.get(long_id, 0), "decode": sum(1 for r in tokens if r in ids),
-                    "other": sum(1 for r in tokens if r not in ids and r != long_id)}
+            return {
+                "s": seconds,
+                "long": tokens.get(long_id, 0),
+                "decode": sum(1 for r in tokens if r in ids),
+                "other": sum(1 for r in tokens if r not in ids and r != long_id),
+            }
 
         long_id = None
         quiet = [row(*step()[:2]) for _ in range(command["quiet_steps"])]
-        long_id = engine.add_request(f"{tag}-long", {"prompt_token_ids": command["long_prompt"]},
-                                     SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False))
+        long_id = engine.add_request(
+            f"{tag}-long",
+            {"prompt_token_ids": command["long_prompt"]},
+            SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False),
+        )
         window, finished_at, left_at, cached = [], None, None, None
         n = 0
         while n < command["window_steps"] or left_at is None:
@@ -111,8 +135,13 @@ def _stall(llm, command: dict) -> dict:
             engine.step()
     finally:
         scheduler.schedule = schedule
-    return {"quiet": quiet, "window": window, "long_finished_step": finished_at, "long_left_step": left_at,
-            "long_cached_tokens": cached}
+    return {
+        "quiet": quiet,
+        "window": window,
+        "long_finished_step": finished_at,
+        "long_left_step": left_at,
+        "long_cached_tokens": cached,
+    }
 
 
 def _queued(llm, command: dict) -> dict:
@@ -152,8 +181,13 @@ def _queued(llm, command: dict) -> dict:
                 tokens, cached = list(o.outputs[0].token_ids), o.num_cached_tokens
     after = stats()
     counters = {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, (int, float))}
-    return {"ttft_s": ttft, "first_finished_s": first_done, "tokens": tokens, "num_cached_tokens": cached,
-            "store": counters}
+    return {
+        "ttft_s": ttft,
+        "first_finished_s": first_done,
+        "tokens": tokens,
+        "num_cached_tokens": cached,
+        "store": counters,
+    }
 
 
 def _abort(llm, command: dict) -> dict:
@@ -162,8 +196,9 @@ def _abort(llm, command: dict) -> dict:
     from vllm import SamplingParams
 
     engine, tag = llm.llm_engine, f"abort{time.monotonic_ns()}"
-    params = SamplingParams(temperature=0.0, max_tokens=command.get("max_tokens", 256), ignore_eos=True,
-                            detokenize=False)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=command.get("max_tokens", 256), ignore_eos=True, detokenize=False
+    )
     ids = [engine.add_request(f"{tag}-{i}", {"prompt_token_ids": p}, params) for i, p in enumerate(command["prompts"])]
     for _ in range(command["steps"]):
         engine.step()
@@ -203,8 +238,14 @@ def _record_prefill_stats() -> dict[str, dict]:
 
 
 # Prometheus counters (names as LLM.get_metrics() reports them) returned per `generate` as deltas.
-COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:external_prefix_cache_queries",
-            "vllm:external_prefix_cache_hits", "vllm:prompt_tokens_by_source", "vllm:num_preemptions")
+COUNTERS = (
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+    "vllm:external_prefix_cache_queries",
+    "vllm:external_prefix_cache_hits",
+    "vllm:prompt_tokens_by_source",
+    "vllm:num_preemptions",
+)
 
 
 def _counters(llm) -> dict[str, float]:
@@ -234,8 +275,10 @@ def _generate(llm, command: dict, prefill: dict[str, dict]) -> dict:
 
     params = SamplingParams(temperature=0.0, max_tokens=command["max_tokens"], ignore_eos=True, detokenize=False)
     prompts = [p if isinstance(p, dict) else {"tokens": p} for p in command["prompts"]]
-    inputs = [{"prompt_token_ids": p["tokens"], **({"cache_salt": p["cache_salt"]} if "cache_salt" in p else {})}
-              for p in prompts]
+    inputs = [
+        {"prompt_token_ids": p["tokens"], **({"cache_salt": p["cache_salt"]} if "cache_salt" in p else {})}
+        for p in prompts
+    ]
     loras = [_lora_request(p["lora"]) if "lora" in p else None for p in prompts]
     before = _counters(llm)
     outs = llm.generate(inputs, params, use_tqdm=False, lora_request=loras if any(loras) else None)
@@ -243,13 +286,19 @@ def _generate(llm, command: dict, prefill: dict[str, dict]) -> dict:
     rows = []
     for o in outs:
         st = prefill.pop(o.request_id, {})
-        rows.append({"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens,
-                     "num_prompt_tokens": len(o.prompt_token_ids or []),
-                     "num_local_cached_tokens": st.get("num_local_cached_tokens"),
-                     "num_external_cached_tokens": st.get("num_external_cached_tokens"),
-                     "num_computed_tokens": st.get("num_computed_tokens"),
-                     "num_cache_creation_tokens": st.get("num_cache_creation_tokens"),
-                     "finish_reason": o.outputs[0].finish_reason, "kv_transfer_params": o.kv_transfer_params})
+        rows.append(
+            {
+                "tokens": list(o.outputs[0].token_ids),
+                "num_cached_tokens": o.num_cached_tokens,
+                "num_prompt_tokens": len(o.prompt_token_ids or []),
+                "num_local_cached_tokens": st.get("num_local_cached_tokens"),
+                "num_external_cached_tokens": st.get("num_external_cached_tokens"),
+                "num_computed_tokens": st.get("num_computed_tokens"),
+                "num_cache_creation_tokens": st.get("num_cache_creation_tokens"),
+                "finish_reason": o.outputs[0].finish_reason,
+                "kv_transfer_params": o.kv_transfer_params,
+            }
+        )
     return {"rows": rows, "metrics": {k: after[k] - before.get(k, 0.0) for k in after}}
 
 
@@ -283,8 +332,15 @@ def _child(spec_json: str, reply_fd: str) -> None:
     from vllm.inputs import TokensPrompt
 
     prefill = _record_prefill_stats()
-    kwargs = dict(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], enforce_eager=True,
-                  enable_prefix_caching=True, skip_tokenizer_init=True, seed=0)
+    kwargs = dict(
+        model=spec["model"],
+        dtype=spec["dtype"],
+        max_model_len=spec["max_model_len"],
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        skip_tokenizer_init=True,
+        seed=0,
+    )
     if spec["block_size"]:  # else vLLM's choice (a hybrid model's block is vLLM's anyway)
         kwargs["block_size"] = spec["block_size"]
     if spec["kv_transfer_config"]:
@@ -326,21 +382,32 @@ def _child(spec_json: str, reply_fd: str) -> None:
             for prompt in command["prompts"]:
                 t0 = time.perf_counter()
                 (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], one, use_tqdm=False)
-                rows.append({"seconds": time.perf_counter() - t0, "prompt_tokens": len(prompt),
-                             "cached_tokens": out.num_cached_tokens, "token": out.outputs[0].token_ids[0]})
+                rows.append(
+                    {
+                        "seconds": time.perf_counter() - t0,
+                        "prompt_tokens": len(prompt),
+                        "cached_tokens": out.num_cached_tokens,
+                        "token": out.outputs[0].token_ids[0],
+                    }
+                )
             reply({"rows": rows})
         elif command["op"] == "steps":
-            params = SamplingParams(temperature=0.0, max_tokens=command["max_tokens"], ignore_eos=True,
-                                    detokenize=False)
+            params = SamplingParams(
+                temperature=0.0, max_tokens=command["max_tokens"], ignore_eos=True, detokenize=False
+            )
             steps[0], hooks_before = 0, hook_seconds[0]
             t0, thread0, process0 = time.perf_counter(), time.thread_time(), time.process_time()
-            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in command["prompts"]], params,
-                                use_tqdm=False)
-            reply({"seconds": time.perf_counter() - t0, "steps": steps[0],
-                   "connector_seconds": hook_seconds[0] - hooks_before,
-                   "thread_cpu_seconds": time.thread_time() - thread0,
-                   "process_cpu_seconds": time.process_time() - process0,
-                   "cached_tokens": sum(o.num_cached_tokens for o in outs)})
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in command["prompts"]], params, use_tqdm=False)
+            reply(
+                {
+                    "seconds": time.perf_counter() - t0,
+                    "steps": steps[0],
+                    "connector_seconds": hook_seconds[0] - hooks_before,
+                    "thread_cpu_seconds": time.thread_time() - thread0,
+                    "process_cpu_seconds": time.process_time() - process0,
+                    "cached_tokens": sum(o.num_cached_tokens for o in outs),
+                }
+            )
         elif command["op"] == "generate":
             reply(_generate(llm, command, prefill))
         elif command["op"] == "stall":

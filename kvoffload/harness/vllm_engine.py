@@ -50,8 +50,13 @@ def child_env(extra_env: dict | None = None) -> dict[str, str]:
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    for key, value in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1"),
-                       ("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1")):
+    for key, value in (
+        ("VLLM_CPU_KVCACHE_SPACE", "1"),
+        ("VLLM_NO_USAGE_STATS", "1"),
+        ("DO_NOT_TRACK", "1"),
+        ("HF_HUB_OFFLINE", "1"),
+        ("TRANSFORMERS_OFFLINE", "1"),
+    ):
         env.setdefault(key, value)
     env.update({k: str(v) for k, v in (extra_env or {}).items()})
     return env
@@ -78,10 +83,22 @@ def stop_group(proc: subprocess.Popen, first: int = signal.SIGTERM, grace: float
 class Engine:
     """One engine process; `call(op, ...)` sends a command and returns its reply."""
 
-    def __init__(self, model_dir: str, kv_transfer_config: dict | None, *, block_size: int, max_model_len: int,
-                 dtype: str = "float32", timeout: float = 600, in_process: bool = False,
-                 engine_kwargs: dict | None = None, extra_env: dict | None = None, warmup: bool = True,
-                 audit: bool = False, wait: bool = True):
+    def __init__(
+        self,
+        model_dir: str,
+        kv_transfer_config: dict | None,
+        *,
+        block_size: int,
+        max_model_len: int,
+        dtype: str = "float32",
+        timeout: float = 600,
+        in_process: bool = False,
+        engine_kwargs: dict | None = None,
+        extra_env: dict | None = None,
+        warmup: bool = True,
+        audit: bool = False,
+        wait: bool = True,
+    ):
         """`in_process`: scheduler and worker in the child itself (VLLM_ENABLE_V1_MULTIPROCESSING=0), which
         also lets the child time every hook of the connector (`connector_seconds` in `steps` replies).
         `timeout`: seconds for start-up and for each reply. `engine_kwargs` go to `vllm.LLM` on top of the
@@ -90,9 +107,17 @@ class Engine:
         `audit`: check every page the connector restores byte for byte (`page_audit`; the `audit` command
         reports), in-process engines only. `block_size` None: vLLM's choice. `wait=False`: return once the
         process is started; `ready()` waits for it."""
-        spec = {"model": os.path.abspath(model_dir), "kv_transfer_config": kv_transfer_config,
-                "block_size": block_size, "max_model_len": max_model_len, "dtype": dtype, "in_process": in_process,
-                "engine_kwargs": dict(engine_kwargs or {}), "warmup": warmup, "audit": audit}
+        spec = {
+            "model": os.path.abspath(model_dir),
+            "kv_transfer_config": kv_transfer_config,
+            "block_size": block_size,
+            "max_model_len": max_model_len,
+            "dtype": dtype,
+            "in_process": in_process,
+            "engine_kwargs": dict(engine_kwargs or {}),
+            "warmup": warmup,
+            "audit": audit,
+        }
         if audit and not in_process:
             raise ValueError("audit=True needs in_process=True (the connector's worker must be in the child)")
         env = child_env(extra_env)
@@ -101,10 +126,16 @@ class Engine:
         self.timeout = timeout
         self.log = tempfile.NamedTemporaryFile(prefix="kvoffload-engine-", suffix=".log", delete=False)
         replies, self._reply_w = os.pipe()
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvoffload.harness.vllm_child", json.dumps(spec),
-                                      str(self._reply_w)], stdin=subprocess.PIPE, stdout=self.log,
-                                     stderr=subprocess.STDOUT, env=env, pass_fds=(self._reply_w,), text=True,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvoffload.harness.vllm_child", json.dumps(spec), str(self._reply_w)],
+            stdin=subprocess.PIPE,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            pass_fds=(self._reply_w,),
+            text=True,
+            start_new_session=True,
+        )
         assert self.proc.stdin is not None  # stdin=PIPE
         self.stdin: IO[str] = self.proc.stdin
         self._closed_log = ""  # the log, once `close` removed its file
@@ -128,13 +159,15 @@ class Engine:
         ready, _, _ = select.select([self.replies], [], [], self.timeout)
         if not ready:
             stop_group(self.proc, grace=5.0)
-            raise EngineRunError(f"the vLLM engine did not answer within {self.timeout:.0f} s; log tail:\n"
-                                 f"{self.log_text()[-6000:]}")
+            raise EngineRunError(
+                f"the vLLM engine did not answer within {self.timeout:.0f} s; log tail:\n{self.log_text()[-6000:]}"
+            )
         line = self.replies.readline()
         if not line:
             stop_group(self.proc, grace=10.0)
-            raise EngineRunError(f"the vLLM engine exited (status {self.proc.returncode}); log tail:\n"
-                                 f"{self.log_text()[-6000:]}")
+            raise EngineRunError(
+                f"the vLLM engine exited (status {self.proc.returncode}); log tail:\n{self.log_text()[-6000:]}"
+            )
         return json.loads(line)
 
     def call(self, op: str, **args) -> dict:

@@ -132,6 +132,7 @@ class _DigestCache:
 
     def _save(self, entries: dict) -> None:
         if len(entries) > _CACHE_ENTRIES:
+
             def used(p):
                 value = entries[p].get("used")
                 return value if isinstance(value, (int, float)) else 0
@@ -162,16 +163,21 @@ class _DigestCache:
             yield
             return
         try:
-            if not flock_within(fd, _LOCK_WAIT_S, poll=0.2, on_wait=lambda: progress(
-                    "kvoffload: waiting for another process hashing model weights")):
+            if not flock_within(
+                fd,
+                _LOCK_WAIT_S,
+                poll=0.2,
+                on_wait=lambda: progress("kvoffload: waiting for another process hashing model weights"),
+            ):
                 progress("kvoffload: weight digest cache still locked; hashing without it")
             yield
         finally:
             os.close(fd)  # releases the lock
 
 
-def weights_digest(path: str, *, cache_path: str | None = None,
-                   progress: Callable[[str], None] | None = _stderr) -> str:
+def weights_digest(
+    path: str, *, cache_path: str | None = None, progress: Callable[[str], None] | None = _stderr
+) -> str:
     """BLAKE2b-128 (hex) over every weight file of `path` (sorted by name): its name, size and xxh3-128
     of its content. Per-file digests are cached (`cache_path`, default in the user cache directory)."""
     files = weight_files(path)
@@ -227,8 +233,10 @@ def _hash_missing(files: list[str], digests: dict[str, str], entries: dict, say:
             now = time.monotonic()
             if loud and now - last >= _PROGRESS_EVERY_S:
                 last = now
-                say(f"kvoffload: hashed {done / 1e9:.1f} / {size / 1e9:.1f} GB "
-                    f"({done / 1e9 / max(now - started, 1e-9):.2f} GB/s)")
+                say(
+                    f"kvoffload: hashed {done / 1e9:.1f} / {size / 1e9:.1f} GB "
+                    f"({done / 1e9 / max(now - started, 1e-9):.2f} GB/s)"
+                )
 
     def one(path: str) -> tuple[str, os.stat_result, str, os.stat_result]:
         before = os.stat(path)

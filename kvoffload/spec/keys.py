@@ -30,29 +30,41 @@ def _framed(*parts: bytes) -> bytes:
     return b"".join(len(p).to_bytes(8, "little") + p for p in parts)
 
 
-def request_salt(cache_salt: str | bytes | None = None, lora: str | None = None,
-                 mm_ids: Sequence[str] = ()) -> bytes | None:
+def request_salt(
+    cache_salt: str | bytes | None = None, lora: str | None = None, mm_ids: Sequence[str] = ()
+) -> bytes | None:
     """One request's salt from what a client controls (its cache salt) and what the engine adds (LoRA
     adapter, multimodal inputs): every part framed in a fixed order, so no choice of cache salt can
     spell another request's adapter or inputs (a salt '|lora:x' is not LoRA 'x'). None: no salt."""
     if not cache_salt and lora is None and not mm_ids:
         return None
-    return _framed(b"cache_salt", _as_bytes(cache_salt), b"lora", _as_bytes(lora) if lora is not None else b"",
-                   b"lora_set", b"1" if lora is not None else b"0", b"mm", _framed(*(_as_bytes(i) for i in mm_ids)))
+    return _framed(
+        b"cache_salt",
+        _as_bytes(cache_salt),
+        b"lora",
+        _as_bytes(lora) if lora is not None else b"",
+        b"lora_set",
+        b"1" if lora is not None else b"0",
+        b"mm",
+        _framed(*(_as_bytes(i) for i in mm_ids)),
+    )
 
 
 class KeyChain:
     """Keys for the full blocks of token sequences under one layout, namespace and salt."""
 
-    def __init__(self, fingerprint: bytes, block_size: int, namespace: bytes | str = b"",
-                 salt: bytes | str | None = None):
+    def __init__(
+        self, fingerprint: bytes, block_size: int, namespace: bytes | str = b"", salt: bytes | str | None = None
+    ):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.fingerprint, self.namespace, self.salt = bytes(fingerprint), _as_bytes(namespace), salt
         self.context = hashlib.blake2b(
             _framed(bytes(fingerprint), _as_bytes(namespace), _as_bytes(salt)),
-            digest_size=KEY_BYTES, person=_PERSON_CONTEXT).digest()
+            digest_size=KEY_BYTES,
+            person=_PERSON_CONTEXT,
+        ).digest()
         # The block hash with its framed context already fed: each block key copies it (a lookup keys a
         # whole prompt on the engine's thread).
         self._block_hash = hashlib.blake2b(_framed(self.context), digest_size=KEY_BYTES, person=_PERSON_BLOCK)
@@ -80,7 +92,7 @@ class KeyChain:
         n = len(token_ids) // self.block_size * self.block_size
         data = np.asarray(token_ids[:n], dtype="<i8").tobytes()  # one conversion for the whole prompt
         for at in range(0, len(data), step):
-            parent = self._next(parent, data[at:at + step])
+            parent = self._next(parent, data[at : at + step])
             keys.append(parent)
         return keys
 

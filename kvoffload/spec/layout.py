@@ -63,8 +63,7 @@ class Region:
 
     def geometry(self) -> dict:
         """What the stored bytes depend on; offsets and strides do not (they change with num_blocks)."""
-        return {"layers": self.num_layers, "used_bytes": self.used_bytes, "dtype": self.dtype,
-                "content": self.content}
+        return {"layers": self.num_layers, "used_bytes": self.used_bytes, "dtype": self.dtype, "content": self.content}
 
 
 @dataclass(frozen=True)
@@ -99,9 +98,14 @@ class CacheGroup:
         return [(r.page_offset(layer, block), r.used_bytes) for r in self.regions for layer in range(r.num_layers)]
 
     def geometry(self) -> dict:
-        return {"name": self.name, "kind": self.kind.value, "block_size": self.block_size,
-                "tokens_per_state": self.tokens_per_state, "content": self.content,
-                "regions": [r.geometry() for r in self.regions]}
+        return {
+            "name": self.name,
+            "kind": self.kind.value,
+            "block_size": self.block_size,
+            "tokens_per_state": self.tokens_per_state,
+            "content": self.content,
+            "regions": [r.geometry() for r in self.regions],
+        }
 
 
 @dataclass(frozen=True)
@@ -122,21 +126,27 @@ class CacheLayout:
 
     def __post_init__(self) -> None:
         if self.hit_alignment % self.index_kpool:
-            raise ValueError(f"hit alignment {self.hit_alignment} is not a multiple of index_kpool "
-                             f"{self.index_kpool}: a hit boundary would leave an open pool behind")
+            raise ValueError(
+                f"hit alignment {self.hit_alignment} is not a multiple of index_kpool "
+                f"{self.index_kpool}: a hit boundary would leave an open pool behind"
+            )
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
         for group in self.groups:
             if group.tp_replicas < 1 or self.tp_size % group.tp_replicas:
-                raise ValueError(f"group {group.name}: tp_replicas {group.tp_replicas} does not divide "
-                                 f"tp_size {self.tp_size}")
+                raise ValueError(
+                    f"group {group.name}: tp_replicas {group.tp_replicas} does not divide tp_size {self.tp_size}"
+                )
             for region in group.regions:
                 if region.used_bytes > region.page_bytes:
-                    raise ValueError(f"group {group.name}: used bytes {region.used_bytes} exceed the page "
-                                     f"({region.page_bytes})")
+                    raise ValueError(
+                        f"group {group.name}: used bytes {region.used_bytes} exceed the page ({region.page_bytes})"
+                    )
                 if self.num_blocks and region.end(self.num_blocks) > self.buffer_sizes[region.buffer]:
-                    raise ValueError(f"group {group.name}: pages run past the end of buffer {region.buffer} "
-                                     f"({region.end(self.num_blocks)} > {self.buffer_sizes[region.buffer]})")
+                    raise ValueError(
+                        f"group {group.name}: pages run past the end of buffer {region.buffer} "
+                        f"({region.end(self.num_blocks)} > {self.buffer_sizes[region.buffer]})"
+                    )
 
     @property
     def cacheable_groups(self) -> tuple[CacheGroup, ...]:
@@ -185,9 +195,16 @@ class CacheLayout:
             "num_blocks": self.num_blocks,
             "tp": [self.tp_rank, self.tp_size],
             "stored_bytes_per_block": self.stored_bytes_per_block(),
-            "groups": [{**g.geometry(), "spec_type": g.spec_type, "tp_replicas": g.tp_replicas,
-                        "used_bytes_per_block": g.used_bytes_per_block,
-                        "regions": [asdict(r) for r in g.regions]} for g in self.groups],
+            "groups": [
+                {
+                    **g.geometry(),
+                    "spec_type": g.spec_type,
+                    "tp_replicas": g.tp_replicas,
+                    "used_bytes_per_block": g.used_bytes_per_block,
+                    "regions": [asdict(r) for r in g.regions],
+                }
+                for g in self.groups
+            ],
         }
 
 
@@ -253,9 +270,14 @@ class KindsLayout:
     @classmethod
     def of(cls, layout: CacheLayout) -> KindsLayout:
         """The same view of a worker's full layout."""
-        return cls(layout.block_size, layout.hit_alignment, tuple(g.kind for g in layout.groups),
-                   tuple(KindsGroup(g.index, g.kind, g.name, g.tp_replicas) for g in layout.cacheable_groups),
-                   tuple(g.content for g in layout.groups), layout.tp_size)
+        return cls(
+            layout.block_size,
+            layout.hit_alignment,
+            tuple(g.kind for g in layout.groups),
+            tuple(KindsGroup(g.index, g.kind, g.name, g.tp_replicas) for g in layout.cacheable_groups),
+            tuple(g.content for g in layout.groups),
+            layout.tp_size,
+        )
 
 
 def lcm(*values: int) -> int:

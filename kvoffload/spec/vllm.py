@@ -42,9 +42,21 @@ _TAIL_SPECS = ("CircularBufferSpec", "KpoolTailSpec")
 _CACHEABLE_FLAGS = ("prefix_cacheable", "participates_in_prefix_caching")
 # Spec fields that say what a page's bytes mean (read where present): state shapes and dtypes in their
 # order (SD vs DS conv state), head geometry, quantisation, pooling.
-_CONTENT_FIELDS = ("shapes", "dtypes", "dtype", "num_kv_heads", "num_head_slots", "head_size", "head_size_v",
-                   "kv_quant_mode", "state_content_bytes", "tokens_per_state", "cache_dtype_str", "cache_role",
-                   "mamba_type")
+_CONTENT_FIELDS = (
+    "shapes",
+    "dtypes",
+    "dtype",
+    "num_kv_heads",
+    "num_head_slots",
+    "head_size",
+    "head_size_v",
+    "kv_quant_mode",
+    "state_content_bytes",
+    "tokens_per_state",
+    "cache_dtype_str",
+    "cache_role",
+    "mamba_type",
+)
 
 
 class UnsupportedLayoutError(LayoutError):
@@ -75,14 +87,16 @@ def _kind(spec, group_index: int, transferable: bool) -> GroupKind:
         if spec.mamba_cache_mode not in ("align", "all"):
             raise UnsupportedLayoutError(
                 f"cache group {group_index}: MambaSpec with mamba_cache_mode={spec.mamba_cache_mode!r} keeps "
-                "no block-boundary checkpoints; enable prefix caching (vLLM then uses align mode)")
+                "no block-boundary checkpoints; enable prefix caching (vLLM then uses align mode)"
+            )
         return GroupKind.STATE
     if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
         return GroupKind.PAGED
     raise UnsupportedLayoutError(
         f"cache group {group_index}: unsupported KV cache spec type {type(spec).__name__} "
         f"({type(spec).__module__}); kvoffload supports FullAttentionSpec, MLAAttentionSpec, MambaSpec "
-        "and non-prefix-cacheable groups (skipped)")
+        "and non-prefix-cacheable groups (skipped)"
+    )
 
 
 def _dtype(spec) -> str:
@@ -188,8 +202,7 @@ def _pool_sizes(specs) -> set[int]:
 
 def _index_kpool(kinds: list[GroupKind], specs_per_group: list[list]) -> int:
     """The pooling factor of the PAGED groups (1 without pooling): a hit must not leave an open pool."""
-    pools = set().union(*(_pool_sizes(specs) for kind, specs in zip(kinds, specs_per_group)
-                          if kind is GroupKind.PAGED))
+    pools = set().union(*(_pool_sizes(specs) for kind, specs in zip(kinds, specs_per_group) if kind is GroupKind.PAGED))
     if len(pools) > 1:
         raise UnsupportedLayoutError(f"several pooling factors (tokens_per_state) in one model: {sorted(pools)}")
     return pools.pop() if pools else 1
@@ -224,15 +237,17 @@ def physical_block_size(kv_cache_config, kinds: list[GroupKind] | None = None) -
     `prefix_match_unit`, possibly finer) only says where vLLM's own hits may land, and every group's
     block is a multiple of it, so a hit on whole physical blocks is also on its grid."""
     kinds = group_kinds(kv_cache_config) if kinds is None else kinds
-    sizes = [int(g.kv_cache_spec.block_size) for g, k in zip(kv_cache_config.kv_cache_groups, kinds)
-             if k is not GroupKind.SKIP]
+    sizes = [
+        int(g.kv_cache_spec.block_size)
+        for g, k in zip(kv_cache_config.kv_cache_groups, kinds)
+        if k is not GroupKind.SKIP
+    ]
     if not sizes:
         raise UnsupportedLayoutError("no prefix-cacheable KV cache group: nothing to offload")
     return lcm(*sizes)
 
 
-def scheduler_view(kv_cache_config, *, tp_size: int = 1, dcp_size: int = 1,
-                   share_replicas: bool = True) -> KindsLayout:
+def scheduler_view(kv_cache_config, *, tp_size: int = 1, dcp_size: int = 1, share_replicas: bool = True) -> KindsLayout:
     """The scheduler's view: group kinds, page contents, the physical block (the key chain's block), the
     hit alignment, which groups TP ranks share. The same from the scheduler's copy of the config as from
     a worker's (`_scheduler_specs`)."""
@@ -240,10 +255,19 @@ def scheduler_view(kv_cache_config, *, tp_size: int = 1, dcp_size: int = 1,
     block_size = physical_block_size(kv_cache_config, kinds)
     specs = [_scheduler_specs(g) for g in kv_cache_config.kv_cache_groups]
     kpool = _index_kpool(kinds, specs)
-    groups = tuple(KindsGroup(i, k, group_name(i, k), _group_replicas(specs[i], tp_size, dcp_size, share_replicas))
-                   for i, k in enumerate(kinds) if k is not GroupKind.SKIP)
-    return KindsLayout(block_size, _hit_alignment(kv_cache_config, block_size, kpool), tuple(kinds), groups,
-                       tuple(group_content(g, kv_cache_config) for g in kv_cache_config.kv_cache_groups), tp_size)
+    groups = tuple(
+        KindsGroup(i, k, group_name(i, k), _group_replicas(specs[i], tp_size, dcp_size, share_replicas))
+        for i, k in enumerate(kinds)
+        if k is not GroupKind.SKIP
+    )
+    return KindsLayout(
+        block_size,
+        _hit_alignment(kv_cache_config, block_size, kpool),
+        tuple(kinds),
+        groups,
+        tuple(group_content(g, kv_cache_config) for g in kv_cache_config.kv_cache_groups),
+        tp_size,
+    )
 
 
 def key_context(view: KindsLayout, kv_cache_config, *, model_id: str, model_dtype: str, cache_dtype: str) -> bytes:
@@ -251,11 +275,13 @@ def key_context(view: KindsLayout, kv_cache_config, *, model_id: str, model_dtyp
     page content, each part framed. Built from what the scheduler and every worker both see (never
     from byte offsets), so both derive the same keys; a store written under another byte layout (SD vs
     DS conv state, another KV cache layout) has other keys, and offers no hits."""
-    groups = [_framed(kind.value.encode(), _framed(*(name.encode() for name in group.layer_names)),
-                      content.encode())
-              for kind, content, group in zip(view.kinds, view.contents, kv_cache_config.kv_cache_groups)]
-    return _framed(b"vllm", model_id.encode(), model_dtype.encode(), cache_dtype.encode(),
-                   str(view.block_size).encode(), *groups)
+    groups = [
+        _framed(kind.value.encode(), _framed(*(name.encode() for name in group.layer_names)), content.encode())
+        for kind, content, group in zip(view.kinds, view.contents, kv_cache_config.kv_cache_groups)
+    ]
+    return _framed(
+        b"vllm", model_id.encode(), model_dtype.encode(), cache_dtype.encode(), str(view.block_size).encode(), *groups
+    )
 
 
 def check_agreement(view: KindsLayout, layout: CacheLayout) -> None:
@@ -263,12 +289,15 @@ def check_agreement(view: KindsLayout, layout: CacheLayout) -> None:
     group kinds, cacheable groups, page contents): the scheduler would promise hits and name pages the
     worker stores differently."""
     worker = KindsLayout.of(layout)
-    diffs = [f"{name}: scheduler {getattr(view, name)!r}, worker {getattr(worker, name)!r}"
-             for name in ("block_size", "hit_alignment", "kinds", "cacheable_groups", "contents", "tp_size")
-             if getattr(view, name) != getattr(worker, name)]
+    diffs = [
+        f"{name}: scheduler {getattr(view, name)!r}, worker {getattr(worker, name)!r}"
+        for name in ("block_size", "hit_alignment", "kinds", "cacheable_groups", "contents", "tp_size")
+        if getattr(view, name) != getattr(worker, name)
+    ]
     if diffs:
-        raise UnsupportedLayoutError("the scheduler's and the worker's views of the KV cache disagree; "
-                                     + "; ".join(diffs))
+        raise UnsupportedLayoutError(
+            "the scheduler's and the worker's views of the KV cache disagree; " + "; ".join(diffs)
+        )
 
 
 def _regions(layer_names, specs_by_layer, tensor_of, kv_cache_layout, kv_caches) -> tuple[Region, ...]:
@@ -296,16 +325,33 @@ def _regions(layer_names, specs_by_layer, tensor_of, kv_cache_layout, kv_caches)
             if kv_caches is not None:
                 orders = sorted({tensor_order(kv_caches[name]) for _, name in run if name in kv_caches})
                 content += " tensors=" + "|".join(orders)
-            regions.append(Region(buffer=0, offset=tensor.offset + run[0][0] * tensor.layer_stride,
-                                  layer_stride=tensor.layer_stride, block_stride=tensor.block_stride,
-                                  layer_names=tuple(name for _, name in run), used_bytes=_used_bytes(spec),
-                                  page_bytes=int(spec.page_size_bytes), dtype=_dtype(spec), content=content))
+            regions.append(
+                Region(
+                    buffer=0,
+                    offset=tensor.offset + run[0][0] * tensor.layer_stride,
+                    layer_stride=tensor.layer_stride,
+                    block_stride=tensor.block_stride,
+                    layer_names=tuple(name for _, name in run),
+                    used_bytes=_used_bytes(spec),
+                    page_bytes=int(spec.page_size_bytes),
+                    dtype=_dtype(spec),
+                    content=content,
+                )
+            )
     return tuple(regions)
 
 
-def from_vllm(kv_cache_config, *, model_id: str = "", tp_rank: int = 0, tp_size: int = 1, dcp_size: int = 1,
-              share_replicas: bool = True, extra: dict[str, str] | None = None,
-              kv_caches: dict | None = None) -> CacheLayout:
+def from_vllm(
+    kv_cache_config,
+    *,
+    model_id: str = "",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    dcp_size: int = 1,
+    share_replicas: bool = True,
+    extra: dict[str, str] | None = None,
+    kv_caches: dict | None = None,
+) -> CacheLayout:
     """The layout of a worker's KV cache as vLLM planned it. Pass the WORKER's config (the scheduler's
     copy replaces uniform-type wrappers by one layer's spec and loses per-layer page sizes), and the
     tensors vLLM registers (`kv_caches`) where known: their dim orders go into the fingerprint."""
@@ -327,13 +373,19 @@ def from_vllm(kv_cache_config, *, model_id: str = "", tp_rank: int = 0, tp_size:
         specs_per_group.append(list(per_layer.values()))
         tokens_per_state = max(_pool_sizes(per_layer.values()) or {1})
         spec_types = sorted({type(s).__name__ for s in per_layer.values()})
-        groups.append(CacheGroup(
-            index=index, name=group_name(index, kind),
-            kind=kind, block_size=int(group_spec.block_size),
-            regions=_regions(group.layer_names, per_layer, tensor_of, kv_cache_layout, kv_caches),
-            tokens_per_state=tokens_per_state, spec_type="/".join(spec_types),
-            content=group_content(group, kv_cache_config),
-            tp_replicas=_group_replicas(per_layer.values(), tp_size, dcp_size, share_replicas)))
+        groups.append(
+            CacheGroup(
+                index=index,
+                name=group_name(index, kind),
+                kind=kind,
+                block_size=int(group_spec.block_size),
+                regions=_regions(group.layer_names, per_layer, tensor_of, kv_cache_layout, kv_caches),
+                tokens_per_state=tokens_per_state,
+                spec_type="/".join(spec_types),
+                content=group_content(group, kv_cache_config),
+                tp_replicas=_group_replicas(per_layer.values(), tp_size, dcp_size, share_replicas),
+            )
+        )
 
     cacheable = [g for g in groups if g.cacheable]
     if not cacheable:
@@ -342,13 +394,20 @@ def from_vllm(kv_cache_config, *, model_id: str = "", tp_rank: int = 0, tp_size:
     block_size = physical_block_size(kv_cache_config, kinds)
     alignment = _hit_alignment(kv_cache_config, block_size, index_kpool)
     return CacheLayout(
-        model_id=model_id, groups=tuple(groups), block_size=block_size,
+        model_id=model_id,
+        groups=tuple(groups),
+        block_size=block_size,
         # kvoffload's keys are per physical block whatever vLLM's hash unit (its prefix_match_unit): the
         # fingerprint must not change with it, or equal keys would name entries another run cannot read.
         hash_block_size=block_size,
-        hit_alignment=alignment, num_blocks=int(kv_cache_config.num_blocks),
-        buffer_sizes=(sizes.pop() if sizes else 0,), index_kpool=index_kpool, tp_rank=tp_rank, tp_size=tp_size,
-        extra=tuple(sorted((extra or {}).items())))
+        hit_alignment=alignment,
+        num_blocks=int(kv_cache_config.num_blocks),
+        buffer_sizes=(sizes.pop() if sizes else 0,),
+        index_kpool=index_kpool,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        extra=tuple(sorted((extra or {}).items())),
+    )
 
 
 def _members(tensor) -> list:
@@ -364,8 +423,10 @@ def check_tensors(layout: CacheLayout, kv_caches: dict) -> None:
     members = {name: _members(t) for name, t in kv_caches.items()}
     bases = {m.untyped_storage().data_ptr() for ms in members.values() for m in ms}
     if len(bases) > 1:
-        raise UnsupportedLayoutError(f"vLLM's KV cache tensors live in {len(bases)} allocations; kvoffload "
-                                     "copies pages from one backing allocation")
+        raise UnsupportedLayoutError(
+            f"vLLM's KV cache tensors live in {len(bases)} allocations; kvoffload "
+            "copies pages from one backing allocation"
+        )
     problems = []
     for group in layout.groups:
         for region in group.regions:
@@ -374,18 +435,28 @@ def check_tensors(layout: CacheLayout, kv_caches: dict) -> None:
                 for t in members.get(name, ()):
                     size = t.element_size()
                     start = t.storage_offset() * size
-                    dims = [d for d in range(t.dim()) if t.shape[d] == layout.num_blocks
-                            and t.stride(d) * size == region.block_stride]
+                    dims = [
+                        d
+                        for d in range(t.dim())
+                        if t.shape[d] == layout.num_blocks and t.stride(d) * size == region.block_stride
+                    ]
                     if not dims:
-                        problems.append(f"{name}: shape {tuple(t.shape)} strides {tuple(t.stride())} has no dim of "
-                                        f"{layout.num_blocks} blocks {region.block_stride} bytes apart")
+                        problems.append(
+                            f"{name}: shape {tuple(t.shape)} strides {tuple(t.stride())} has no dim of "
+                            f"{layout.num_blocks} blocks {region.block_stride} bytes apart"
+                        )
                         continue
-                    extent = size + sum((t.shape[d] - 1) * t.stride(d) * size for d in range(t.dim())
-                                        if d != dims[0] and t.shape[d] > 0)
+                    extent = size + sum(
+                        (t.shape[d] - 1) * t.stride(d) * size for d in range(t.dim()) if d != dims[0] and t.shape[d] > 0
+                    )
                     if not (page <= start and start + extent <= page + region.used_bytes):
-                        problems.append(f"{name}: block 0 bytes [{start}, {start + extent}) outside its stored page "
-                                        f"[{page}, {page + region.used_bytes}) ({group.name})")
+                        problems.append(
+                            f"{name}: block 0 bytes [{start}, {start + extent}) outside its stored page "
+                            f"[{page}, {page + region.used_bytes}) ({group.name})"
+                        )
     if problems:
-        raise UnsupportedLayoutError("vLLM's KV cache tensors disagree with the layout derived from its config: "
-                                     + "; ".join(problems[:6]) + (f" ... and {len(problems) - 6} more"
-                                                                  if len(problems) > 6 else ""))
+        raise UnsupportedLayoutError(
+            "vLLM's KV cache tensors disagree with the layout derived from its config: "
+            + "; ".join(problems[:6])
+            + (f" ... and {len(problems) - 6} more" if len(problems) > 6 else "")
+        )

@@ -15,6 +15,23 @@ from .tiered import TieredStore
 from .url import parse_size
 from .url_config import LMDBSpec, MemorySpec, RedisSpec, StoreSpec, TieredSpec, parse_store_url
 
-__all__ = ["Store", "open_store", "open_spec", "shared_store", "parse_store_url", "MemoryStore", "LMDBStore",
-           "TieredStore", "StoreConfigError", "EntryTooLargeError", "IncompatibleStoreError", "parse_size",
-           "inspect_store", "MemorySpec", "LMDBSpec", "RedisSpec", "TieredSpec", "StoreSpec"]
+__all__ = [
+    "Store",
+    "open_store",
+    "open_spec",
+    "shared_store",
+    "parse_store_url",
+    "MemoryStore",
+    "LMDBStore",
+    "TieredStore",
+    "StoreConfigError",
+    "EntryTooLargeError",
+    "IncompatibleStoreError",
+    "parse_size",
+    "inspect_store",
+    "MemorySpec",
+    "LMDBSpec",
+    "RedisSpec",
+    "TieredSpec",
+    "StoreSpec",
+]

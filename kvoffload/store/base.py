@@ -51,8 +51,16 @@ class Store(ABC):
     capacity: int
 
     # Reported by every tier, zero until they happen (tiers add their own, e.g. checksum_failures).
-    COUNTERS: tuple[str, ...] = ("hits", "misses", "puts", "put_bytes", "get_bytes", "evictions", "evicted_bytes",
-                                 "dropped_puts")
+    COUNTERS: tuple[str, ...] = (
+        "hits",
+        "misses",
+        "puts",
+        "put_bytes",
+        "get_bytes",
+        "evictions",
+        "evicted_bytes",
+        "dropped_puts",
+    )
 
     def __init__(self) -> None:
         self._counters: Counter[str] = Counter({name: 0 for name in self.COUNTERS})
@@ -140,8 +148,12 @@ class Store(ABC):
             if len(filled) != len(reservation.items):
                 raise ValueError(f"fill returned {len(filled)} flags for {len(reservation.items)} values")
         finally:
-            written = self.publish(reservation, filled if filled is not None and len(filled) == len(reservation.items)
-                                   else [False] * len(reservation.items))
+            written = self.publish(
+                reservation,
+                filled
+                if filled is not None and len(filled) == len(reservation.items)
+                else [False] * len(reservation.items),
+            )
         return written
 
     def reserve(self, items: Sequence[tuple[bytes, int]]) -> Reservation:
@@ -155,8 +167,9 @@ class Store(ABC):
         """Make the values `filled` marks visible; True per value stored (`put_many`'s flags)."""
         items, written = reservation.items, [False] * len(reservation.items)
         chosen = [i for i, ok in enumerate(filled) if ok and reservation.destinations[i] is not None]
-        for i, ok in zip(chosen, self.put_many([(items[i][0], reservation.destinations[i]) for i in chosen])
-                         if chosen else []):
+        for i, ok in zip(
+            chosen, self.put_many([(items[i][0], reservation.destinations[i]) for i in chosen]) if chosen else []
+        ):
             written[i] = ok
         return written
 

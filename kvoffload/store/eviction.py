@@ -105,7 +105,7 @@ class S3FIFO:
         """From small while it holds its share (or main is empty), else from main; the other queue if
         that one has nothing that may go. None: nothing may go."""
         first_small = self._small_bytes >= self._small_target or not self._main
-        for take in ((self._from_small, self._from_main) if first_small else (self._from_main, self._from_small)):
+        for take in (self._from_small, self._from_main) if first_small else (self._from_main, self._from_small):
             key = take(evictable)
             if key is not None:
                 return key

@@ -57,9 +57,9 @@ def decode(name: bytes, raw) -> tuple[int | None, str | None]:
     raw = bytes(raw)
     if len(raw) == _U64.size:
         return None, "unchecked"
-    if len(raw) != RECORD_BYTES or xxhash.xxh3_64_digest(name + raw[:_U64.size]) != raw[_U64.size:]:
+    if len(raw) != RECORD_BYTES or xxhash.xxh3_64_digest(name + raw[: _U64.size]) != raw[_U64.size :]:
         return None, "failed its check"
-    return _U64.unpack(raw[:_U64.size])[0], None
+    return _U64.unpack(raw[: _U64.size])[0], None
 
 
 def decode_value(name: bytes, raw) -> int | None:
@@ -105,8 +105,7 @@ def describe(rebuilt: dict[bytes, str]) -> str:
     return ", ".join(f"{n.decode()} ({why})" for n, why in rebuilt.items())
 
 
-def load(txn, policy, max_entry_bytes: int | None = None,
-         force: bool = False) -> tuple[Counters, dict[bytes, str]]:
+def load(txn, policy, max_entry_bytes: int | None = None, force: bool = False) -> tuple[Counters, dict[bytes, str]]:
     """The counters, and the records rebuilt from the entries (name -> why). `max_entry_bytes` (at
     open) adds the invariants to the checks; `force` recounts whatever the records say."""
     dbs = policy.dbs
@@ -119,10 +118,18 @@ def load(txn, policy, max_entry_bytes: int | None = None,
             bad[name] = why
         elif value is not None:
             stored[name] = value
-    if bad and set(bad.values()) == {"missing"} and not txn.stat(dbs.meta)["entries"] \
-            and not txn.stat(dbs.data)["entries"]:
-        counts = Counters(**{k: stored.get(n) or 0 for k, n in (("tick", TICK), ("used", USED), ("small", SMALL),
-                                                                 ("entries", ENTRIES))})
+    if (
+        bad
+        and set(bad.values()) == {"missing"}
+        and not txn.stat(dbs.meta)["entries"]
+        and not txn.stat(dbs.data)["entries"]
+    ):
+        counts = Counters(
+            **{
+                k: stored.get(n) or 0
+                for k, n in (("tick", TICK), ("used", USED), ("small", SMALL), ("entries", ENTRIES))
+            }
+        )
         write(txn, policy, counts)  # a new store: nothing to rebuild
         return counts, {}
     if not bad and max_entry_bytes is not None:
@@ -133,8 +140,11 @@ def load(txn, policy, max_entry_bytes: int | None = None,
     found = true.records(policy.small_queue)
     if TICK not in bad and not force:
         found[TICK] = max(found[TICK], stored[TICK])  # a sound tick may be ahead of every entry's
-    rebuilt = {name: bad.get(name, "disagreed with the entries") for name in names
-               if name in bad or stored[name] != found[name]}
+    rebuilt = {
+        name: bad.get(name, "disagreed with the entries")
+        for name in names
+        if name in bad or stored[name] != found[name]
+    }
     counts = Counters(found[TICK], found[USED], found.get(SMALL, 0), found[ENTRIES])
     write(txn, policy, counts)
     return counts, rebuilt

@@ -58,8 +58,16 @@ MIN_CAPACITY = 64 << 10
 _POLICIES: dict[str, type[Policy]] = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy}
 
 # An open that finds these has a damaged file (not a permission or I/O problem): reset it.
-_DAMAGE = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError, lmdb.PanicError,
-           lmdb.IncompatibleError, lmdb.BadValsizeError, lmdb.BadChecksumError, lmdb.ProblemError)
+_DAMAGE = (
+    lmdb.CorruptedError,
+    lmdb.InvalidError,
+    lmdb.PageNotFoundError,
+    lmdb.PanicError,
+    lmdb.IncompatibleError,
+    lmdb.BadValsizeError,
+    lmdb.BadChecksumError,
+    lmdb.ProblemError,
+)
 
 
 def map_size_for(capacity: int) -> int:
@@ -109,8 +117,10 @@ def prepare_directory(path: str) -> None:
         except FileNotFoundError:
             continue
         if not stat.S_ISREG(info.st_mode):
-            raise StoreConfigError(f"{file} is a symlink or not a regular file; an LMDB store keeps its own "
-                                   "files (remove it or use another directory)")
+            raise StoreConfigError(
+                f"{file} is a symlink or not a regular file; an LMDB store keeps its own "
+                "files (remove it or use another directory)"
+            )
         if not os.access(file, os.R_OK | os.W_OK):
             raise StoreConfigError(f"cannot read and write {file}: permission denied (fix its owner or mode)")
         _tighten(file, 0o600, "store file")
@@ -129,8 +139,9 @@ def _tighten(path: str, mode: int, what: str) -> None:
         try:
             os.chmod(path, current & mode)
         except OSError as exc:
-            raise StoreConfigError(f"{what} {path!r} is readable by others and cannot be made private: "
-                                   f"{exc.strerror}") from None
+            raise StoreConfigError(
+                f"{what} {path!r} is readable by others and cannot be made private: {exc.strerror}"
+            ) from None
         log.warning("tightened permissions of %s %s from %o to %o", what, path, current, current & mode)
 
 
@@ -207,8 +218,9 @@ class _Opener:
         fd = os.open(self._file(OPEN_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if not flock_within(fd, _OPEN_WAIT_SECONDS):
-                raise StoreConfigError(f"LMDB store {self.path!r}: another process has been opening it "
-                                       f"for over {_OPEN_WAIT_SECONDS:.0f} s")
+                raise StoreConfigError(
+                    f"LMDB store {self.path!r}: another process has been opening it for over {_OPEN_WAIT_SECONDS:.0f} s"
+                )
             yield
         finally:
             os.close(fd)
@@ -218,9 +230,11 @@ class _Opener:
             self._open_env(alone)
         except _Damaged as exc:
             if not alone:
-                raise StoreConfigError(f"LMDB store {self.path!r} is damaged ({exc}) and other processes have it "
-                                       "open: stop them and open it again (it is then reset), or use another "
-                                       "directory") from None
+                raise StoreConfigError(
+                    f"LMDB store {self.path!r} is damaged ({exc}) and other processes have it "
+                    "open: stop them and open it again (it is then reset), or use another "
+                    "directory"
+                ) from None
             self._move_aside(str(exc))
             self._open_env(alone)
 
@@ -229,15 +243,26 @@ class _Opener:
         size = os.path.getsize(data) if os.path.exists(data) else 0
         # Alone, the map follows the capacity (never below the file: LMDB cannot shrink it); otherwise
         # it is the file's size, which every other user has mapped.
-        map_size = max(size, self._affordable(map_size_for(self.configured_capacity), size)) if alone or not size \
-            else size
+        map_size = (
+            max(size, self._affordable(map_size_for(self.configured_capacity), size)) if alone or not size else size
+        )
         if not _allocate(self._file(LOCK_FILE), _LOCK_BYTES):
             raise StoreConfigError(f"LMDB store {self.path!r}: the disk is full (cannot create its lock file)")
         try:
-            env = lmdb.open(self.path, map_size=map_size, subdir=True, max_dbs=8, mode=0o600,
-                            # readahead: values are large runs of overflow pages, read sequentially
-                            writemap=True, sync=True, metasync=True, readahead=True,
-                            max_readers=self._max_readers, lock=True)
+            env = lmdb.open(
+                self.path,
+                map_size=map_size,
+                subdir=True,
+                max_dbs=8,
+                mode=0o600,
+                # readahead: values are large runs of overflow pages, read sequentially
+                writemap=True,
+                sync=True,
+                metasync=True,
+                readahead=True,
+                max_readers=self._max_readers,
+                lock=True,
+            )
         except lmdb.VersionMismatchError as exc:
             raise IncompatibleStoreError(f"{data} was written by an incompatible LMDB version: {exc}") from None
         except _DAMAGE as exc:
@@ -252,8 +277,9 @@ class _Opener:
             if size and size < committed:  # cut short: reads past its end would kill the process
                 raise _Damaged(f"{size} bytes on disk, {committed} committed")
             self._back_map(env, info["map_size"], max(committed, size), alone)
-            self._data, self._meta, self._lru, self._info = (env.open_db(n)
-                                                             for n in (b"data", b"meta", b"lru", b"info"))
+            self._data, self._meta, self._lru, self._info = (
+                env.open_db(n) for n in (b"data", b"meta", b"lru", b"info")
+            )
             self._dbs = counters.Databases(self._data, self._meta, self._lru, self._info)
             self._check_format(env, alone)
         except _DAMAGE as exc:
@@ -279,19 +305,26 @@ class _Opener:
         while not _allocate(self._file(DATA_FILE), size):
             gap = (size - floor) // 2
             if not alone or size <= floor or gap < (1 << 20):
-                raise StoreConfigError(f"LMDB store {self.path!r}: the disk is full (cannot reserve "
-                                       f"{size >> 20} MiB for its data file)")
+                raise StoreConfigError(
+                    f"LMDB store {self.path!r}: the disk is full (cannot reserve {size >> 20} MiB for its data file)"
+                )
             size = floor + gap
         if size < map_size:
             self._disk_full(f"only {size >> 20} MiB of a {map_size >> 20} MiB map could be reserved")
             env.set_mapsize(size)
         self.capacity = min(self.configured_capacity, capacity_for_map(size))
         if self.capacity < self.configured_capacity:
-            log.warning("LMDB store %s: capacity %d bytes instead of %d (the data file is %d bytes)", self.path,
-                        self.capacity, self.configured_capacity, size)
+            log.warning(
+                "LMDB store %s: capacity %d bytes instead of %d (the data file is %d bytes)",
+                self.path,
+                self.capacity,
+                self.configured_capacity,
+                size,
+            )
         if self.capacity < MIN_CAPACITY:
-            raise StoreConfigError(f"LMDB store {self.path!r}: the disk is full (room for {self.capacity} bytes of "
-                                   "entries only)")
+            raise StoreConfigError(
+                f"LMDB store {self.path!r}: the disk is full (room for {self.capacity} bytes of entries only)"
+            )
 
     def _disk_full(self, why: str) -> None:
         log.warning("LMDB store %s: disk full: %s; the store holds less", self.path, why)
@@ -314,19 +347,27 @@ class _Opener:
                 version = _U64.unpack(stored)[0]
                 raise IncompatibleStoreError(
                     f"LMDB store {self.path!r} has format version {version}; this kvoffload reads version "
-                    f"{entry.FORMAT_VERSION}. Point the store at a new directory (or delete this one).")
+                    f"{entry.FORMAT_VERSION}. Point the store at a new directory (or delete this one)."
+                )
             recount = not self._settle_policy(txn, alone) or txn.get(b"accounting", db=self._info) != ACCOUNTING
             self.policy = _POLICIES[self.evict](self._dbs, self._psize, self.capacity)
             started = time.perf_counter()
-            _, rebuilt = counters.load(txn, self.policy, force=recount,
-                                       max_entry_bytes=capacity_for_map(env.info()["map_size"]) // ENTRY_FRACTION)
+            _, rebuilt = counters.load(
+                txn,
+                self.policy,
+                force=recount,
+                max_entry_bytes=capacity_for_map(env.info()["map_size"]) // ENTRY_FRACTION,
+            )
             txn.put(b"accounting", ACCOUNTING, db=self._info)
             txn.put(b"capacity", _U64.pack(self.configured_capacity), db=self._info)
         self._count(counters_rebuilt=len(rebuilt))
         if rebuilt or recount:
-            log.warning("LMDB store %s: counters rebuilt from its entries in %.3f s: %s", self.path,
-                        time.perf_counter() - started,
-                        counters.describe(rebuilt) or "none differed")
+            log.warning(
+                "LMDB store %s: counters rebuilt from its entries in %.3f s: %s",
+                self.path,
+                time.perf_counter() - started,
+                counters.describe(rebuilt) or "none differed",
+            )
 
     def _settle_policy(self, txn, alone: bool) -> bool:
         """One policy per file (their index orders differ): a store with entries keeps the one it was
@@ -336,11 +377,16 @@ class _Opener:
         found = "lru" if record is None else bytes(record).decode("ascii", "replace")
         empty = not txn.stat(self._lru)["entries"] and not txn.stat(self._data)["entries"]
         if found not in POLICIES:
-            log.warning("LMDB store %s: damaged eviction policy record %r; using %s", self.path, found[:40],
-                        self.evict)
+            log.warning("LMDB store %s: damaged eviction policy record %r; using %s", self.path, found[:40], self.evict)
         elif found != self.evict and not (empty and alone):
-            log.warning("LMDB store %s: its entries are ordered for evict=%s, not %s: it keeps evicting by %s "
-                        "(use another directory for another policy)", self.path, found, self.evict, found)
+            log.warning(
+                "LMDB store %s: its entries are ordered for evict=%s, not %s: it keeps evicting by %s "
+                "(use another directory for another policy)",
+                self.path,
+                found,
+                self.evict,
+                found,
+            )
             self.evict = found
         if record is None or found != self.evict:
             txn.put(b"evict", self.evict.encode(), db=self._info)
@@ -380,8 +426,10 @@ def read_stats(path: str) -> dict[str, int | str]:
         try:
             info_db, meta_db = env.open_db(b"info", create=False), env.open_db(b"meta", create=False)
             with env.begin(buffers=True) as txn:
-                record = {k: bytes(v) if (v := txn.get(k, db=info_db)) is not None else None
-                          for k in (b"format_version", b"capacity", b"evict")}
+                record = {
+                    k: bytes(v) if (v := txn.get(k, db=info_db)) is not None else None
+                    for k in (b"format_version", b"capacity", b"evict")
+                }
                 used = counters.decode_value(counters.USED, txn.get(counters.USED, db=info_db))
                 entries = counters.decode_value(counters.ENTRIES, txn.get(counters.ENTRIES, db=info_db))
                 entries = txn.stat(meta_db)["entries"] if entries is None else entries
@@ -392,8 +440,13 @@ def read_stats(path: str) -> dict[str, int | str]:
         raise StoreConfigError(f"cannot read the LMDB store at {path!r}: {exc}") from None
     evict = (record.pop(b"evict") or b"lru").decode("ascii", "replace")
     number = {k.decode(): _U64.unpack(v)[0] if v is not None and len(v) == 8 else None for k, v in record.items()}
-    return {"url": f"lmdb://{path}", "format_version": number["format_version"] or 0,
-            "capacity": number["capacity"] or capacity_for_map(map_size), "entries": entries,
-            "bytes_used": used if used is not None else -1, "map_size": map_size,
-            "evict": evict,
-            "damaged_files": len(glob.glob(f"{glob.escape(data)}.damaged-*"))}
+    return {
+        "url": f"lmdb://{path}",
+        "format_version": number["format_version"] or 0,
+        "capacity": number["capacity"] or capacity_for_map(map_size),
+        "entries": entries,
+        "bytes_used": used if used is not None else -1,
+        "map_size": map_size,
+        "evict": evict,
+        "damaged_files": len(glob.glob(f"{glob.escape(data)}.damaged-*")),
+    }

@@ -41,7 +41,7 @@ def evict_first(policy: Policy, txn, counts: Counters) -> bytes | None:
             key = bytes(cursor.key())
             if db is policy.dbs.lru:
                 cursor.delete()
-                key = key[INDEX.size:]
+                key = key[INDEX.size :]
             if policy.evict(txn, key, counts) is not None:
                 return key
     return None

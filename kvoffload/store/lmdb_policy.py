@@ -33,12 +33,12 @@ META_BYTES = entry.HEADER_BYTES + TICK.size
 
 def tick_of(meta) -> int | None:
     """The tick in a `meta` record; None for a record of another size (damaged)."""
-    return TICK.unpack(meta[entry.HEADER_BYTES:])[0] if len(meta) == META_BYTES else None
+    return TICK.unpack(meta[entry.HEADER_BYTES :])[0] if len(meta) == META_BYTES else None
 
 
 def index_tick(record) -> int | None:
     """The tick of an `lru` index record (its key); None for a record too short to have one."""
-    record = bytes(record[:INDEX.size])
+    record = bytes(record[: INDEX.size])
     return INDEX.unpack(record)[0] if len(record) == INDEX.size else None
 
 

@@ -120,7 +120,7 @@ class S3FIFOPolicy(Policy):
         for record in txn.cursor(db=self.dbs.lru).iternext(values=False):
             tick = index_tick(record)
             if tick is not None and in_small(tick):
-                payload = txn.get(bytes(record[INDEX.size:]), db=self.dbs.data)
+                payload = txn.get(bytes(record[INDEX.size :]), db=self.dbs.data)
                 small += self.charge(len(payload)) if payload is not None else 0
         return small
 
@@ -138,7 +138,7 @@ class S3FIFOPolicy(Policy):
         from_small = None  # the queue chosen, kept until it has a victim (or, small, until it is empty)
         for _ in range(4 * txn.stat(self.dbs.lru)["entries"] + 1):
             in_main = cursor.set_range(MAIN_KEY)
-            in_small = cursor.first() and bytes(cursor.key()[:INDEX.size]) < MAIN_KEY
+            in_small = cursor.first() and bytes(cursor.key()[: INDEX.size]) < MAIN_KEY
             if not in_small and not in_main:
                 break
             if not in_small:
@@ -148,7 +148,7 @@ class S3FIFOPolicy(Policy):
             if not from_small:
                 cursor.set_range(MAIN_KEY)
             record = bytes(cursor.key())
-            tick, key = INDEX.unpack(record[:INDEX.size])[0], record[INDEX.size:]
+            tick, key = INDEX.unpack(record[: INDEX.size])[0], record[INDEX.size :]
             cursor.delete()
             meta = txn.get(key, db=self.dbs.meta)
             if not (hits(tick) and meta is not None and tick_of(meta) == tick):

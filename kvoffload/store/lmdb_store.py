@@ -53,7 +53,6 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import lmdb
 
@@ -73,31 +72,42 @@ from .lmdb_files import (
     read_stats,
 )
 from .lmdb_policy import Touches
+from .lmdb_reads import Readers, read_part
 
-__all__ = ["LMDBStore", "MAX_KEY_BYTES", "MIN_CAPACITY", "capacity_for_map", "entry_charge", "map_size_for",
-           "prepare_directory", "read_stats"]
+__all__ = [
+    "LMDBStore",
+    "MAX_KEY_BYTES",
+    "MIN_CAPACITY",
+    "capacity_for_map",
+    "entry_charge",
+    "map_size_for",
+    "prepare_directory",
+    "read_stats",
+]
 
 log = logging.getLogger(__name__)
 
 MAX_KEY_BYTES = 500  # LMDB's key limit (511) less the LRU tick that prefixes a key in `lru`
 _ROOM_ROUNDS = 64  # a chunk's tries for room in the map (`_make_room`) before it is dropped
 _OWNER = b"owner:"  # info records: the key namespaces that use this directory (see Store.clear)
-# A large read is split over this many threads (`read_many`): the checksum holds the GIL, the copy out of
-# the map (in `consume`) and its page faults do not, so readers overlap (issue: the disk read path).
-READERS = max(1, min(8, (os.cpu_count() or 2) // 2))
-PARALLEL_READ_BYTES = 16 << 20  # a read of fewer bytes stays on the caller's thread
 
 
 class LMDBStore(Store):
     max_key_bytes = MAX_KEY_BYTES
 
-    def __init__(self, path: str, capacity: int, fingerprint: bytes | None = None,
-                 url: str | None = None, max_readers: int = 256, evict: str = "lru", readers: int | None = None):
+    def __init__(
+        self,
+        path: str,
+        capacity: int,
+        fingerprint: bytes | None = None,
+        url: str | None = None,
+        max_readers: int = 256,
+        evict: str = "lru",
+        readers: int | None = None,
+    ):
         """`readers`: threads a large `read_many` is split over (default `READERS`; 1: the caller's only)."""
         super().__init__()
-        self.readers = READERS if readers is None else max(1, int(readers))
-        self._pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, executor): made on a first large read
-        self._pool_lock = threading.Lock()
+        self._readers = Readers(readers)
         # the one check, URLs' too (eviction.py); the file's own policy once open (lmdb_files.py)
         self.evict = policy_name(evict, "LMDB store: evict=")
         self._count(checksum_failures=0, read_errors=0, counters_rebuilt=0)
@@ -110,8 +120,9 @@ class LMDBStore(Store):
         self._write_lock = threading.Lock()
         self._touches = Touches()
         self._warned: set[str] = set()
-        self._env, self._policy, self.capacity, self._users = open_files(path, capacity, evict, max_readers,
-                                                                         self._count)
+        self._env, self._policy, self.capacity, self._users = open_files(
+            path, capacity, evict, max_readers, self._count
+        )
         self.evict = self._policy.name
         self._data, self._meta, self._lru, self._info = self._policy.dbs
 
@@ -153,8 +164,9 @@ class LMDBStore(Store):
             for chunk in self._chunks(views):
                 self._put_chunk(views, chunk, written, latest, evicted)
         ok = sum(written)
-        self._count(puts=ok, put_bytes=sum(v.nbytes for (_, v), w in zip(views, written) if w),
-                    dropped_puts=len(views) - ok)
+        self._count(
+            puts=ok, put_bytes=sum(v.nbytes for (_, v), w in zip(views, written) if w), dropped_puts=len(views) - ok
+        )
         if evicted:  # after the write lock: a listener may take other stores' locks
             self._report_evicted([key for key in dict.fromkeys(evicted) if key not in latest])
         return written
@@ -172,8 +184,9 @@ class LMDBStore(Store):
             size += charge
         return chunks
 
-    def _put_chunk(self, views, chunk: list[int], written: list[bool], latest: dict[bytes, int],
-                   evicted: list[bytes] | None) -> None:
+    def _put_chunk(
+        self, views, chunk: list[int], written: list[bool], latest: dict[bytes, int], evicted: list[bytes] | None
+    ) -> None:
         """One write transaction for `chunk`. When the map has no room for it, room is made in rounds
         (`_make_room`): the cap's byte minimum first, then more victims, one a round (from the eighth
         on, a quarter of those so far), until a run of free pages is long enough. `evicted` (when not
@@ -206,8 +219,12 @@ class LMDBStore(Store):
             if evicted is not None:
                 evicted += victims
             return
-        self._warn_once("dropped", "LMDB store %s: %d entries dropped: no room in the map after evicting (counted "
-                        "in dropped_puts)", self.path, len(chunk))
+        self._warn_once(
+            "dropped",
+            "LMDB store %s: %d entries dropped: no room in the map after evicting (counted in dropped_puts)",
+            self.path,
+            len(chunk),
+        )
 
     def _write_chunk(self, txn, views, chunk: list[int], events: list, victims: list[bytes]) -> Counters:
         counts = self._read_counters(txn)
@@ -244,8 +261,11 @@ class LMDBStore(Store):
                 counts = self._read_counters(txn)
                 self._apply_touches(txn, counts)  # the order as read so far
                 need = sum(self._policy.charge(views[i][1].nbytes) for i in chunk)
-                overwritten = {key: self._policy.charge(len(payload)) for key in (views[i][0] for i in chunk)
-                               if (payload := txn.get(key, db=self._data)) is not None}
+                overwritten = {
+                    key: self._policy.charge(len(payload))
+                    for key in (views[i][0] for i in chunk)
+                    if (payload := txn.get(key, db=self._data)) is not None
+                }
                 while True:
                     short = counts.used + need - sum(overwritten.values()) > self.capacity
                     if not short and extra <= 0:
@@ -318,13 +338,11 @@ class LMDBStore(Store):
         """Verified values, each handed to `consume` zero-copy from the map. A read of many bytes is split
         over `readers` threads, each in its own read transaction, checksumming and consuming its part:
         `consume` may then run on several threads at once (for distinct indices)."""
-        parts = self._read_parts(keys)
-        if len(parts) == 1:
-            results = [self._read_part(keys, parts[0], consume)]
-        else:
-            pool = self._reader_pool()
-            futures = [pool.submit(self._read_part, keys, part, consume) for part in parts[1:]]
-            results = [self._read_part(keys, parts[0], consume)] + [f.result() for f in futures]
+        env = self._live_env
+        results = self._readers.run(
+            self._readers.split(env, self._meta, keys),
+            lambda part: read_part(env, self._meta, self._data, self.fingerprint, keys, part, consume),
+        )
         served = [False] * len(keys)
         bad: dict[bytes, str] = {}
         nbytes = errors = 0
@@ -347,62 +365,6 @@ class LMDBStore(Store):
         if bad:
             self._drop_bad(bad)
         return served
-
-    def _read_part(self, keys: Sequence[bytes], indices: range, consume: Callable[[int, memoryview], None]):
-        """One reader's run of `keys`: (indices served, bad entries, bytes, the lmdb.Error that ended it)."""
-        served: list[int] = []
-        bad: dict[bytes, str] = {}
-        nbytes = 0
-        try:
-            with self._live_env.begin(buffers=True) as txn:
-                for i in indices:
-                    key = keys[i]
-                    meta = txn.get(key, db=self._meta)
-                    if meta is None:
-                        continue
-                    payload = txn.get(key, db=self._data)
-                    problem = entry.verify(entry.decode_header(meta), self.fingerprint, payload)
-                    if problem:
-                        bad[key] = problem
-                        continue
-                    assert payload is not None  # verify() passes no missing payload
-                    consume(i, payload)
-                    served.append(i)
-                    nbytes += payload.nbytes
-        except lmdb.Error as exc:
-            return served, bad, nbytes, exc
-        return served, bad, nbytes, None
-
-    def _read_parts(self, keys: Sequence[bytes]) -> list[range]:
-        """Contiguous runs of `keys` of about equal bytes, one per reader; one run for a read under
-        PARALLEL_READ_BYTES (the sizes come from the headers: a hint, each reader re-reads its own)."""
-        if self.readers < 2 or len(keys) < 2:
-            return [range(len(keys))]
-        try:
-            with self._live_env.begin(buffers=True) as txn:
-                sizes = [getattr(entry.decode_header(meta), "length", 0) if (meta := txn.get(k, db=self._meta))
-                         else 0 for k in keys]
-        except lmdb.Error:
-            return [range(len(keys))]
-        total = sum(sizes)
-        if total < PARALLEL_READ_BYTES:
-            return [range(len(keys))]
-        n = min(self.readers, len(keys))
-        cuts, running, target = [0], 0, total / n
-        for i, size in enumerate(sizes):
-            running += size
-            if running >= target * len(cuts) and len(cuts) < n and i + 1 < len(keys):
-                cuts.append(i + 1)
-        cuts.append(len(keys))
-        return [range(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
-
-    def _reader_pool(self) -> ThreadPoolExecutor:
-        """The reader threads (made on first use, again in a forked child: threads do not survive a fork)."""
-        with self._pool_lock:
-            if self._pool is None or self._pool[0] != os.getpid():
-                self._pool = (os.getpid(),
-                              ThreadPoolExecutor(self.readers - 1, thread_name_prefix="kvoffload-lmdb-read"))
-            return self._pool[1]
 
     def _drop_bad(self, bad: dict[bytes, str]) -> None:
         """Entries that failed verification are deleted (another layout's entries are left alone)."""
@@ -455,7 +417,7 @@ class LMDBStore(Store):
                     for key in cursor.iternext(values=False):
                         if not bytes(key).startswith(_OWNER):
                             break
-                        owners.add(bytes(key)[len(_OWNER):].decode(errors="replace"))
+                        owners.add(bytes(key)[len(_OWNER) :].decode(errors="replace"))
                 others = owners - {owner}
                 if not others:
                     counts = self._read_counters(txn)
@@ -467,8 +429,12 @@ class LMDBStore(Store):
             log.warning("LMDB store %s: clear failed: %s", self.path, exc)
             return False
         if others:
-            log.warning("LMDB store %s: not cleared: namespace(s) %s use it too (give each deployment its own "
-                        "directory, or delete this one)", self.path, sorted(others))
+            log.warning(
+                "LMDB store %s: not cleared: namespace(s) %s use it too (give each deployment its own "
+                "directory, or delete this one)",
+                self.path,
+                sorted(others),
+            )
             return False
         self._touches.clear()
         with self._write_lock:
@@ -478,23 +444,26 @@ class LMDBStore(Store):
     def _usage(self) -> dict[str, int]:
         try:
             with self._live_env.begin(buffers=True) as txn:  # a damaged record reads -1 (the next write rebuilds it)
-                used, small, entries = (counters.decode(name, txn.get(name, db=self._info))[0]
-                                        for name in (counters.USED, counters.SMALL, counters.ENTRIES))
+                used, small, entries = (
+                    counters.decode(name, txn.get(name, db=self._info))[0]
+                    for name in (counters.USED, counters.SMALL, counters.ENTRIES)
+                )
                 entries = txn.stat(self._meta)["entries"] if entries is None else entries
         except lmdb.Error:
             entries = used = small = None
         used, small, entries = (-1 if v is None else v for v in (used, small, entries))
-        usage = {"entries": entries, "bytes_used": used, "map_size": self._live_env.info()["map_size"],
-                 "configured_capacity": self.configured_capacity}
+        usage = {
+            "entries": entries,
+            "bytes_used": used,
+            "map_size": self._live_env.info()["map_size"],
+            "configured_capacity": self.configured_capacity,
+        }
         if self._policy.small_queue:
             usage["small_bytes"] = small  # S3-FIFO's small queue (the rest is main)
         return usage
 
     def close(self) -> None:
-        with self._pool_lock:
-            pool, self._pool = self._pool, None
-        if pool is not None and pool[0] == os.getpid():
-            pool[1].shutdown(wait=True)  # no reader may be inside the environment when it closes
+        self._readers.close()  # no reader may be inside the environment when it closes
         if self._env is not None:
             self._persist_touches(wait=True)
             self._env.close()
@@ -502,4 +471,3 @@ class LMDBStore(Store):
         if self._users is not None:
             os.close(self._users)
             self._users = None
-

@@ -69,14 +69,24 @@ class MemoryStore(Store):
     in_place = True
     process_local = True
 
-    def __init__(self, capacity: int, pinned: bool | None = None, url: str | None = None, *,
-                 chunk_bytes: int | None = None, reserve: bool | None = None, evict: str = "lru"):
+    def __init__(
+        self,
+        capacity: int,
+        pinned: bool | None = None,
+        url: str | None = None,
+        *,
+        chunk_bytes: int | None = None,
+        reserve: bool | None = None,
+        evict: str = "lru",
+    ):
         super().__init__()
         self.capacity = capacity
         self.evict = policy_name(evict, "memory store: evict=")  # the one check, URLs' too (eviction.py)
         if pinned and not _cuda_present():
-            raise StoreConfigError("memory store: pinned=true needs a CUDA or ROCm device (page-locking is a "
-                                   "driver call); use pinned=auto or pinned=false on this machine")
+            raise StoreConfigError(
+                "memory store: pinned=true needs a CUDA or ROCm device (page-locking is a "
+                "driver call); use pinned=auto or pinned=false on this machine"
+            )
         if chunk_bytes is not None and chunk_bytes <= 0:
             raise StoreConfigError(f"memory store: chunk_bytes must be positive, got {chunk_bytes}")
         self.pinned = _cuda_present() if pinned is None else pinned
@@ -109,8 +119,12 @@ class MemoryStore(Store):
                 try:
                     array = self._allocate(size)
                 except (RuntimeError, MemoryError) as exc:
-                    log.warning("memory store: reserved %d of %d bytes at open (%s); the arena stays there",
-                                self._reserved, self.capacity, exc)
+                    log.warning(
+                        "memory store: reserved %d of %d bytes at open (%s); the arena stays there",
+                        self._reserved,
+                        self.capacity,
+                        exc,
+                    )
                     self._limit = self._reserved
                     return
                 chunk = _Chunk(next(self._chunk_ids), array)
@@ -136,7 +150,7 @@ class MemoryStore(Store):
     def _view(self, slot: int, nbytes: int) -> np.ndarray:
         chunk = self._chunks[slot >> _SHIFT]
         start = (slot & ((1 << _SHIFT) - 1)) * chunk.slot_bytes
-        return chunk.array[start:start + nbytes]
+        return chunk.array[start : start + nbytes]
 
     def _take(self, cls: int) -> int | None:
         """A slot of class `cls` without evicting: a free one, a new chunk's, or None."""
@@ -177,8 +191,12 @@ class MemoryStore(Store):
         try:
             array = self._allocate(size)
         except (RuntimeError, MemoryError) as exc:  # out of (pinned) host memory: stop growing
-            log.warning("memory store: cannot allocate a %d-byte chunk (%s); the arena stays at %d bytes",
-                        size, exc, self._reserved)
+            log.warning(
+                "memory store: cannot allocate a %d-byte chunk (%s); the arena stays at %d bytes",
+                size,
+                exc,
+                self._reserved,
+            )
             self._limit = self._reserved
             return None
         chunk = _Chunk(next(self._chunk_ids), array)
@@ -295,8 +313,9 @@ class MemoryStore(Store):
                 self._used += nbytes
                 written[i] = True
         ok, declined = sum(written), sum(1 for i in batch if not written[i])
-        self._count(puts=ok, put_bytes=sum(n for (_, n), w in zip(items, written) if w),
-                    dropped_puts=len(items) - ok - declined)
+        self._count(
+            puts=ok, put_bytes=sum(n for (_, n), w in zip(items, written) if w), dropped_puts=len(items) - ok - declined
+        )
         return written
 
     def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
@@ -321,7 +340,8 @@ class MemoryStore(Store):
             if n > self.max_entry_bytes:
                 raise EntryTooLargeError(
                     f"a {n}-byte value cannot fit in {self.url}: it takes entries up to {self.max_entry_bytes} "
-                    f"bytes (capacity {self.capacity} bytes); raise the capacity")
+                    f"bytes (capacity {self.capacity} bytes); raise the capacity"
+                )
         return self._reserve_slots(list(zip(keys, sizes)))
 
     # -- reads -----------------------------------------------------------------------------------
@@ -394,9 +414,15 @@ class MemoryStore(Store):
     def _usage(self) -> dict[str, int]:
         with self._lock:
             free = sum(c.size // c.slot_bytes - c.used for c in self._chunks.values() if c.slot_bytes)
-            return {"entries": len(self._index), "bytes_used": self._used, "pinned": int(self.pinned),
-                    "arena_bytes": self._reserved, "chunks": len(self._chunks), "slots_free": free,
-                    "held": len(self._holds) + self._pending}
+            return {
+                "entries": len(self._index),
+                "bytes_used": self._used,
+                "pinned": int(self.pinned),
+                "arena_bytes": self._reserved,
+                "chunks": len(self._chunks),
+                "slots_free": free,
+                "held": len(self._holds) + self._pending,
+            }
 
     def close(self) -> None:
         """Drop every value and chunk (views still held elsewhere keep their own memory alive)."""

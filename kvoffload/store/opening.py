@@ -53,13 +53,18 @@ def _tiered(spec: TieredSpec, fingerprint, url: str | None) -> Store:
     if spec.redis:
         backs.append(_redis(spec.redis, fingerprint, None))
     back = backs[0] if len(backs) == 1 else TieredStore(backs[0], backs[1], write="through")
-    return TieredStore(front, back, url=redact_url(url) if url else spec.url(), write=spec.write,
-                       **spec.behind_options())
+    return TieredStore(
+        front, back, url=redact_url(url) if url else spec.url(), write=spec.write, **spec.behind_options()
+    )
 
 
 # spec type -> its opener (each takes that spec type; `open_spec` looks it up by the spec's own type)
 _OPENERS: dict[type, Callable[[Any, bytes | str | None, str | None], Store]] = {
-    MemorySpec: _memory, LMDBSpec: _lmdb, RedisSpec: _redis, TieredSpec: _tiered}
+    MemorySpec: _memory,
+    LMDBSpec: _lmdb,
+    RedisSpec: _redis,
+    TieredSpec: _tiered,
+}
 
 _shared: dict[str, tuple[Store, bytes | None]] = {}
 _shared_lock = threading.Lock()
@@ -84,8 +89,10 @@ def shared_store(url: str, *, fingerprint: bytes | str | None = None) -> Store:
         store, opened_with = _shared.get(url, (None, None))
         if store is not None and wanted is not None and opened_with != wanted:
             if opened_with is not None:
-                raise StoreConfigError(f"store {redact_url(url)!r} is already open in this process for another "
-                                       "layout fingerprint: one process serves one layout per store")
+                raise StoreConfigError(
+                    f"store {redact_url(url)!r} is already open in this process for another "
+                    "layout fingerprint: one process serves one layout per store"
+                )
             store.close()
             store = None
         if store is None:
@@ -93,8 +100,7 @@ def shared_store(url: str, *, fingerprint: bytes | str | None = None) -> Store:
             if wanted is None and isinstance(spec, TieredSpec):
                 # Presence only (vLLM's scheduler, in its own process): its memory tier is never written,
                 # so it must not reserve or page-lock the arena the workers' stores hold.
-                spec = dataclasses.replace(spec, memory=dataclasses.replace(spec.memory, pinned=False,
-                                                                               reserve=False))
+                spec = dataclasses.replace(spec, memory=dataclasses.replace(spec.memory, pinned=False, reserve=False))
             store = open_spec(spec, fingerprint=fingerprint, url=url)
             _shared[url] = (store, wanted)
         return store

@@ -63,8 +63,13 @@ class RedisStore(Store):
         self._down_until: dict[str, float] = {}
         self._refreshed = 0.0
         redis = _redis()
-        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
-                        redis.exceptions.ResponseError, redis.exceptions.ClusterError, OSError)
+        self._errors = (
+            redis.exceptions.ConnectionError,
+            redis.exceptions.TimeoutError,
+            redis.exceptions.ResponseError,
+            redis.exceptions.ClusterError,
+            OSError,
+        )
         self.cluster = spec.cluster
         self.namespace = spec.namespace
         self.client = self._connect(redis, self._client_options(spec))
@@ -94,11 +99,16 @@ class RedisStore(Store):
             if self.cluster:
                 from redis.cluster import ClusterNode, RedisCluster
 
-                client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], require_full_coverage=False,
-                                      retry=Retry(NoBackoff(), 2), **kwargs)
+                client = RedisCluster(
+                    startup_nodes=[ClusterNode(h, p) for h, p in nodes],
+                    require_full_coverage=False,
+                    retry=Retry(NoBackoff(), 2),
+                    **kwargs,
+                )
             else:
-                client = redis.Redis(host=nodes[0][0], port=nodes[0][1], db=self.spec.db,
-                                     retry=Retry(NoBackoff(), 0), **kwargs)
+                client = redis.Redis(
+                    host=nodes[0][0], port=nodes[0][1], db=self.spec.db, retry=Retry(NoBackoff(), 0), **kwargs
+                )
             client.ping()
         except redis.exceptions.AuthenticationError as exc:
             raise StoreConfigError(f"Redis at {where} refused the credentials in the URL: {exc}") from None
@@ -106,8 +116,12 @@ class RedisStore(Store):
             if "WRONGPASS" in str(exc) or "NOAUTH" in str(exc) or "NOPERM" in str(exc):
                 raise StoreConfigError(f"Redis at {where} refused the credentials in the URL: {exc}") from None
             raise StoreConfigError(f"Redis at {where}: {exc}") from None
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.RedisClusterException,
-                OSError) as exc:
+        except (
+            redis.exceptions.ConnectionError,
+            redis.exceptions.TimeoutError,
+            redis.exceptions.RedisClusterException,
+            OSError,
+        ) as exc:
             raise StoreConfigError(f"cannot reach Redis at {where}: {exc}") from None
         return client
 
@@ -119,13 +133,21 @@ class RedisStore(Store):
                 limits.append(int(config.get("maxmemory", 0)))
                 policies.add(config.get("maxmemory-policy", ""))
         except self._errors as exc:
-            log.warning("Redis store %s: cannot read the server's maxmemory settings (%s); make sure it "
-                        "evicts with an LRU policy", self.url, exc)
+            log.warning(
+                "Redis store %s: cannot read the server's maxmemory settings (%s); make sure it "
+                "evicts with an LRU policy",
+                self.url,
+                exc,
+            )
             limits = []
         if limits and (0 in limits or not all(("lru" in p or "lfu" in p) for p in policies)):
-            log.warning("Redis store %s: the server has %s and policy %s: it will grow without bound or refuse "
-                        "writes when full; set maxmemory and maxmemory-policy allkeys-lru", self.url,
-                        "no maxmemory" if 0 in limits else f"maxmemory {sum(limits)}", "/".join(sorted(policies)))
+            log.warning(
+                "Redis store %s: the server has %s and policy %s: it will grow without bound or refuse "
+                "writes when full; set maxmemory and maxmemory-policy allkeys-lru",
+                self.url,
+                "no maxmemory" if 0 in limits else f"maxmemory {sum(limits)}",
+                "/".join(sorted(policies)),
+            )
         if declared:
             return declared
         return sum(limits) if limits and 0 not in limits else parse_size(DEFAULT_CAPACITY)
@@ -181,8 +203,14 @@ class RedisStore(Store):
             try:
                 answers = pipe.execute(raise_on_error=False)
             except self._errors as exc:  # logged once per back-off: the node is skipped until then
-                log.warning("Redis store %s: %s failed (%s); skipped for %.0f s: %s", self.url, name or "the server",
-                            exc, NODE_RETRY_SECONDS, "misses" if what == "read_errors" else "writes dropped")
+                log.warning(
+                    "Redis store %s: %s failed (%s); skipped for %.0f s: %s",
+                    self.url,
+                    name or "the server",
+                    exc,
+                    NODE_RETRY_SECONDS,
+                    "misses" if what == "read_errors" else "writes dropped",
+                )
                 self._count(**{what: len(indices)})
                 self._down_until[name] = time.monotonic() + NODE_RETRY_SECONDS
                 stale = True
@@ -213,9 +241,12 @@ class RedisStore(Store):
         return self.prefix + key
 
     def clear(self, owner: str) -> bool:
-        log.warning("Redis store %s: not cleared: a Redis store is shared by design, and kvoffload does not "
-                    "know who else uses it; clear it with Redis's own tools (its keys start with %r)",
-                    self.url, self.prefix.decode(errors="replace"))
+        log.warning(
+            "Redis store %s: not cleared: a Redis store is shared by design, and kvoffload does not "
+            "know who else uses it; clear it with Redis's own tools (its keys start with %r)",
+            self.url,
+            self.prefix.decode(errors="replace"),
+        )
         return False
 
     # -- the Store primitives --------------------------------------------------------------------------
@@ -230,8 +261,11 @@ class RedisStore(Store):
                 self._write(views, batch, written)
                 batch, size = [], 0
         ok = sum(written)
-        self._count(puts=ok, put_bytes=sum(views[i][1].nbytes for i in range(len(views)) if written[i]),
-                    dropped_puts=len(views) - ok)
+        self._count(
+            puts=ok,
+            put_bytes=sum(views[i][1].nbytes for i in range(len(views)) if written[i]),
+            dropped_puts=len(views) - ok,
+        )
         return written
 
     def _write(self, views, batch: list[int], written: list[bool]) -> None:
@@ -251,7 +285,7 @@ class RedisStore(Store):
             if not isinstance(raw, bytes):
                 continue
             view = memoryview(raw)
-            payload = view[entry.HEADER_BYTES:]
+            payload = view[entry.HEADER_BYTES :]
             problem = entry.verify(entry.decode_header(view), self.fingerprint, payload)
             if problem:
                 self._count(**{problem: 1})

@@ -52,22 +52,47 @@ def _behind_option(name: str) -> property:
 
 
 class TieredStore(Store):
-    COUNTERS = Store.COUNTERS + ("memory_hits", "disk_hits", "promotions", "behind_written", "behind_written_bytes",
-                                 "behind_dropped", "behind_dropped_bytes", "behind_failed", "behind_not_admitted",
-                                 "behind_admitted", "prefetched", "prefetched_bytes")
+    COUNTERS = Store.COUNTERS + (
+        "memory_hits",
+        "disk_hits",
+        "promotions",
+        "behind_written",
+        "behind_written_bytes",
+        "behind_dropped",
+        "behind_dropped_bytes",
+        "behind_failed",
+        "behind_not_admitted",
+        "behind_admitted",
+        "prefetched",
+        "prefetched_bytes",
+    )
     behind_bytes, behind_age = map(_behind_option, ("behind_bytes", "behind_age"))
 
-    def __init__(self, front: Store, back: Store, url: str | None = None, *, write: str = "behind",
-                 behind_bytes: int | None = None, behind_age: float = DEFAULT_BEHIND_AGE, admit: int = 1):
+    def __init__(
+        self,
+        front: Store,
+        back: Store,
+        url: str | None = None,
+        *,
+        write: str = "behind",
+        behind_bytes: int | None = None,
+        behind_age: float = DEFAULT_BEHIND_AGE,
+        admit: int = 1,
+    ):
         super().__init__()
         write, self.admit = write_options(write, admit, "tiered store:")  # the one check, URLs' too
         self._admission = Admission(self.admit, self._count)
         self.front, self.back, self.write = front, back, write
         self.capacity = back.capacity
         self.url = url or f"tiered://({front.url} | {back.url})"
-        self._behind = WriteBehind(front, back, self.url, self._count, behind_age=behind_age,
-                                   behind_bytes=default_behind_bytes(front.capacity) if behind_bytes is None
-                                   else behind_bytes)
+        self._behind = WriteBehind(
+            front,
+            back,
+            self.url,
+            self._count,
+            behind_age=behind_age,
+            behind_bytes=default_behind_bytes(front.capacity) if behind_bytes is None else behind_bytes,
+        )
         self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="kvoffload-read")  # threads start on use
 
     # -- limits: a batch is validated against the back before anything is written ------------------------
@@ -137,8 +162,11 @@ class TieredStore(Store):
         return stored
 
     def _count_puts(self, stored: list[bool], sizes: list[int]) -> None:
-        self._count(puts=sum(stored), put_bytes=sum(n for n, ok in zip(sizes, stored) if ok),
-                    dropped_puts=len(stored) - sum(stored))
+        self._count(
+            puts=sum(stored),
+            put_bytes=sum(n for n, ok in zip(sizes, stored) if ok),
+            dropped_puts=len(stored) - sum(stored),
+        )
 
     def _write_now(self, views: list[tuple[bytes, memoryview]]) -> list[bool]:
         """Values too large for the front: to the back now, after any queued or in-flight value of theirs."""
@@ -166,16 +194,26 @@ class TieredStore(Store):
 
         return self.front.write_many([(key, view.nbytes)], fill)[0]
 
-    def _cascade(self, keys: Sequence[bytes], found: list, take: Callable[[int, np.ndarray], None],
-                 back: Callable[[list[int]], int], *, any_held: bool = False) -> int:
+    def _cascade(
+        self,
+        keys: Sequence[bytes],
+        found: list,
+        take: Callable[[int, np.ndarray], None],
+        back: Callable[[list[int]], int],
+        *,
+        any_held: bool = False,
+    ) -> int:
         """The one lookup order: the front's answer first (`found`, one per key, falsy where it has
         nothing), then the values the write-behind holds (`take(i, view)`: private copies only, or with
         `any_held` -- a lookup -- any value waiting), then `back(indices)` for the rest: what it returns
         (0 when nothing was left for the back)."""
         missing = [i for i, ok in enumerate(found) if not ok]
         if missing and self._behind.busy:
-            held = {i: lease.view for i, lease in zip(missing, self._behind.held([keys[i] for i in missing]))
-                    if lease is not None and (any_held or lease.slot is None)}
+            held = {
+                i: lease.view
+                for i, lease in zip(missing, self._behind.held([keys[i] for i in missing]))
+                if lease is not None and (any_held or lease.slot is None)
+            }
             for i, view in held.items():
                 take(i, view)
             missing = [i for i in missing if i not in held]
@@ -201,11 +239,18 @@ class TieredStore(Store):
         served = self.front.read_many(keys, counted)
         if self.admit > 1:
             self._admit([key for key, ok in zip(keys, served) if ok], put=False)
-        disk_hits = self._cascade(keys, served, from_writer,
-                                  lambda missing: self._read_back(keys, missing, from_back, readers=1))
+        disk_hits = self._cascade(
+            keys, served, from_writer, lambda missing: self._read_back(keys, missing, from_back, readers=1)
+        )
         hits = sum(served)
-        self._count(hits=hits, misses=len(keys) - hits, get_bytes=sum(sizes), memory_hits=hits - disk_hits,
-                    disk_hits=disk_hits, promotions=sum(promoted))
+        self._count(
+            hits=hits,
+            misses=len(keys) - hits,
+            get_bytes=sum(sizes),
+            memory_hits=hits - disk_hits,
+            disk_hits=disk_hits,
+            promotions=sum(promoted),
+        )
         return served
 
     def acquire(self, keys: Sequence[bytes], *, touch: bool = True) -> list[Lease | None]:
@@ -231,12 +276,23 @@ class TieredStore(Store):
             leases[i] = lease
         if touch:
             hits = [lease.view.nbytes for lease in leases if lease is not None]
-            self._count(hits=len(hits), misses=len(keys) - len(hits), get_bytes=sum(hits),
-                        memory_hits=len(hits) - disk_hits, disk_hits=disk_hits, promotions=len(promoted))
+            self._count(
+                hits=len(hits),
+                misses=len(keys) - len(hits),
+                get_bytes=sum(hits),
+                memory_hits=len(hits) - disk_hits,
+                disk_hits=disk_hits,
+                promotions=len(promoted),
+            )
         return leases
 
-    def _read_back(self, keys: Sequence[bytes], missing: list[int], consume: Callable[[int, memoryview], None],
-                   readers: int = READERS) -> int:
+    def _read_back(
+        self,
+        keys: Sequence[bytes],
+        missing: list[int],
+        consume: Callable[[int, memoryview], None],
+        readers: int = READERS,
+    ) -> int:
         """`back.read_many` of the `missing` keys (consume gets the key's index), split over `readers`
         threads when there are several values: with a cold page cache each thread's page faults keep the
         back tier busy while the others copy, where one reader waits for each fault in turn."""
@@ -244,8 +300,9 @@ class TieredStore(Store):
         def read(part: list[int]) -> int:
             return sum(self.back.read_many([keys[i] for i in part], lambda k, view: consume(part[k], view)))
 
-        parts = [[missing[j] for j in part]
-                 for part in np.array_split(np.arange(len(missing)), min(readers, len(missing)))]
+        parts = [
+            [missing[j] for j in part] for part in np.array_split(np.arange(len(missing)), min(readers, len(missing)))
+        ]
         if len(parts) == 1:
             return read(parts[0])
         return sum(future.result() for future in [self._readers.submit(read, part) for part in parts])
@@ -261,8 +318,12 @@ class TieredStore(Store):
             if self._promote(keys[i], view):
                 promoted.append(view.nbytes)
 
-        self._cascade(keys, self.front.contains_many(keys), lambda i, view: None,
-                      lambda missing: self._read_back(keys, missing, from_back))
+        self._cascade(
+            keys,
+            self.front.contains_many(keys),
+            lambda i, view: None,
+            lambda missing: self._read_back(keys, missing, from_back),
+        )
         self._count(prefetched=len(promoted), prefetched_bytes=sum(promoted))
         return len(promoted)
 

@@ -79,8 +79,9 @@ class WriteBehind:
     """The queue of values leased in `front` for `back`, and the thread that writes them; `count` is the
     store's counter (the behind_* counters are the store's), `url` the store's, for messages."""
 
-    def __init__(self, front: Store, back: Store, url: str, count: Callable[..., None], *, behind_bytes: int,
-                 behind_age: float):
+    def __init__(
+        self, front: Store, back: Store, url: str, count: Callable[..., None], *, behind_bytes: int, behind_age: float
+    ):
         self.front, self.back, self.url, self._count = front, back, url, count
         self.behind_bytes, self.behind_age = behind_bytes, behind_age
         self._lock = threading.Lock()
@@ -193,8 +194,14 @@ class WriteBehind:
     def _dropped(self, dropped: list[_Pending], why: str) -> None:
         if dropped:
             self._count(behind_dropped=len(dropped), behind_dropped_bytes=sum(p.nbytes for p in dropped))
-            self._warn_once("dropped", "tiered store %s: %d value(s) kept in memory only, not written to %s: %s",
-                            self.url, len(dropped), self.back.url, why)
+            self._warn_once(
+                "dropped",
+                "tiered store %s: %d value(s) kept in memory only, not written to %s: %s",
+                self.url,
+                len(dropped),
+                self.back.url,
+                why,
+            )
 
     def _warn_once(self, what: str, message: str, *args, exc_info=None) -> None:
         level = logging.DEBUG if what in self._warned else logging.WARNING
@@ -231,16 +238,31 @@ class WriteBehind:
             if batch:
                 written = list(self.back.put_many([(p.lease.key, p.lease.view) for p in batch]))
         except Exception as exc:  # a back that raises is a failed write, never the caller's problem
-            self._warn_once("failed", "tiered store %s: writing %d value(s) behind to %s failed: %s",
-                            self.url, len(batch), self.back.url, exc, exc_info=True)
+            self._warn_once(
+                "failed",
+                "tiered store %s: writing %d value(s) behind to %s failed: %s",
+                self.url,
+                len(batch),
+                self.back.url,
+                exc,
+                exc_info=True,
+            )
         finally:
             self._dropped(expired, self._too_old())
             done = [p.lease.key for p, ok in zip(batch, written) if ok]
-            self._count(behind_written=len(done), behind_failed=len(batch) - len(done),
-                        behind_written_bytes=sum(p.nbytes for p, ok in zip(batch, written) if ok))
+            self._count(
+                behind_written=len(done),
+                behind_failed=len(batch) - len(done),
+                behind_written_bytes=sum(p.nbytes for p, ok in zip(batch, written) if ok),
+            )
             if len(done) < len(batch):
-                self._warn_once("refused", "tiered store %s: %s did not take %d value(s) written behind",
-                                self.url, self.back.url, len(batch) - len(done))
+                self._warn_once(
+                    "refused",
+                    "tiered store %s: %s did not take %d value(s) written behind",
+                    self.url,
+                    self.back.url,
+                    len(batch) - len(done),
+                )
             self.front.release([p.lease for p in expired + batch])
             with self._lock:
                 self._inflight.clear()
@@ -257,8 +279,12 @@ class WriteBehind:
         """Flush (at most CLOSE_FLUSH_SECONDS), drop what is left, stop the writer; False if the writer
         is still stuck in the back (it holds views into the front: the tiers must stay open)."""
         if not self.flush(CLOSE_FLUSH_SECONDS):
-            log.warning("tiered store %s: gave up waiting for the back tier after %gs; %d value(s) not written",
-                        self.url, CLOSE_FLUSH_SECONDS, len(self._queue) + len(self._inflight))
+            log.warning(
+                "tiered store %s: gave up waiting for the back tier after %gs; %d value(s) not written",
+                self.url,
+                CLOSE_FLUSH_SECONDS,
+                len(self._queue) + len(self._inflight),
+            )
         with self._lock:
             self.closed = self._stopping = True
             _open.discard(self)
@@ -271,7 +297,8 @@ class WriteBehind:
         if self._thread is not None:
             self._thread.join(5.0)
             if self._thread.is_alive():
-                log.error("tiered store %s: the write-behind thread is stuck in %s; tiers left open",
-                          self.url, self.back.url)
+                log.error(
+                    "tiered store %s: the write-behind thread is stuck in %s; tiers left open", self.url, self.back.url
+                )
                 return False
         return True

@@ -12,9 +12,20 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 from .errors import StoreConfigError
 
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
 }
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$", re.ASCII)  # no nan, inf or exponents
 MAX_SIZE = 2**63 - 1  # what LMDB's map size, mmap and C sizes take
@@ -82,8 +93,10 @@ def parse_url(url: str) -> StoreURL:
             "or tiered://?memory=4GiB&lmdb=/abs/dir&lmdb_capacity=100GiB"
         )
     if "#" in url:  # urlsplit would drop the rest as a fragment: options, even part of a path or password
-        raise StoreConfigError(f"'#' in store URL {redact_url(url)!r}: a store URL has no #fragment; "
-                               "percent-encode a '#' in a path or password as %23")
+        raise StoreConfigError(
+            f"'#' in store URL {redact_url(url)!r}: a store URL has no #fragment; "
+            "percent-encode a '#' in a path or password as %23"
+        )
     try:
         parts = urlsplit(url)
     except ValueError as exc:  # e.g. an unclosed [IPv6] host
@@ -125,5 +138,5 @@ def redact_url(url: str) -> str:
         at = ats[-1]  # the last '@' of the span
         colon = _COLON.search(url, start, at.start())
         if colon:
-            url = url[:colon.end()] + "***" + url[at.start():]
+            url = url[: colon.end()] + "***" + url[at.start() :]
     return url

@@ -115,8 +115,9 @@ class LMDBSpec:
     evict: str = "lru"
 
     def url(self, redact: bool = True) -> str:
-        return f"lmdb://{quote(self.path)}?capacity={self.capacity}" + ("" if self.evict == "lru" else
-                                                                       f"&evict={self.evict}")
+        return f"lmdb://{quote(self.path)}?capacity={self.capacity}" + (
+            "" if self.evict == "lru" else f"&evict={self.evict}"
+        )
 
 
 @dataclass(frozen=True)
@@ -174,16 +175,20 @@ class TieredSpec:
 
     def url(self, redact: bool = True) -> str:
         m = self.memory
-        options: dict[str, object] = dict(memory=m.capacity, pinned=m.pinned, reserve=m.reserve, evict=m.evict,
-                                          write=self.write)
+        options: dict[str, object] = dict(
+            memory=m.capacity, pinned=m.pinned, reserve=m.reserve, evict=m.evict, write=self.write
+        )
         if self.lmdb:
             options.update(lmdb=self.lmdb.path, lmdb_capacity=self.lmdb.capacity)
             if self.lmdb.evict != "lru":
                 options["lmdb_evict"] = self.lmdb.evict
         if self.redis:
             options["redis"] = self.redis.url(redact=False)
-        extra = dict(behind_bytes=self.behind_bytes, behind_age=self.behind_age and repr(self.behind_age),
-                     admit=self.admit if self.admit != 1 else None)
+        extra = dict(
+            behind_bytes=self.behind_bytes,
+            behind_age=self.behind_age and repr(self.behind_age),
+            admit=self.admit if self.admit != 1 else None,
+        )
         options.update({k: v for k, v in extra.items() if v is not None})
         url = f"tiered://?{_query(options)}"
         return redact_url(url) if redact else url
@@ -207,18 +212,23 @@ def _memory(parsed: StoreURL, url: str) -> MemorySpec:
     opts = parsed.take({"capacity", "pinned", "reserve", "evict"})
     if parsed.path not in ("", "/"):
         raise StoreConfigError(f"memory:// takes no path, got {redact_url(parsed.path)!r} in {redact_url(url)!r}")
-    return MemorySpec(parse_size(opts.get("capacity", DEFAULT_MEMORY_CAPACITY), "memory capacity"),
-                      _auto_bool(opts.get("pinned"), "pinned"), _auto_bool(opts.get("reserve"), "reserve"),
-                      _evict(opts, "memory"))
+    return MemorySpec(
+        parse_size(opts.get("capacity", DEFAULT_MEMORY_CAPACITY), "memory capacity"),
+        _auto_bool(opts.get("pinned"), "pinned"),
+        _auto_bool(opts.get("reserve"), "reserve"),
+        _evict(opts, "memory"),
+    )
 
 
 def _lmdb(parsed: StoreURL, url: str) -> LMDBSpec:
     opts = parsed.take({"capacity", "evict"})
     if not parsed.path:
-        raise StoreConfigError("lmdb:// needs an absolute directory, e.g. lmdb:///var/cache/kvoffload "
-                               f"({redact_url(url)!r})")
-    return LMDBSpec(parsed.path, parse_size(opts.get("capacity", DEFAULT_LMDB_CAPACITY), "lmdb capacity"),
-                    _evict(opts, "lmdb"))
+        raise StoreConfigError(
+            f"lmdb:// needs an absolute directory, e.g. lmdb:///var/cache/kvoffload ({redact_url(url)!r})"
+        )
+    return LMDBSpec(
+        parsed.path, parse_size(opts.get("capacity", DEFAULT_LMDB_CAPACITY), "lmdb capacity"), _evict(opts, "lmdb")
+    )
 
 
 def _timeout(text: str) -> float:
@@ -255,24 +265,46 @@ def _redis(parsed: StoreURL, url: str) -> RedisSpec:
         db = parts.path.strip("/") or "0"
         if not db.isdigit():
             raise StoreConfigError(f"{shown}: the path is a database number, got {db!r}")
-    return RedisSpec(parsed.scheme, nodes, int(db),
-                     unquote(parts.username) if parts.username else None,
-                     unquote(parts.password) if parts.password else None,
-                     opts.get("namespace", "default"), _timeout(opts.get("timeout", str(DEFAULT_REDIS_TIMEOUT))),
-                     parse_size(opts["capacity"], "redis capacity") if opts.get("capacity") else None, tls)
+    return RedisSpec(
+        parsed.scheme,
+        nodes,
+        int(db),
+        unquote(parts.username) if parts.username else None,
+        unquote(parts.password) if parts.password else None,
+        opts.get("namespace", "default"),
+        _timeout(opts.get("timeout", str(DEFAULT_REDIS_TIMEOUT))),
+        parse_size(opts["capacity"], "redis capacity") if opts.get("capacity") else None,
+        tls,
+    )
 
 
 def _tiered(parsed: StoreURL, url: str) -> TieredSpec:
-    opts = parsed.take({"memory", "lmdb", "lmdb_capacity", "lmdb_evict", "pinned", "reserve", "redis", "write",
-                        "behind_bytes", "behind_age", "admit", "evict"})
+    opts = parsed.take(
+        {
+            "memory",
+            "lmdb",
+            "lmdb_capacity",
+            "lmdb_evict",
+            "pinned",
+            "reserve",
+            "redis",
+            "write",
+            "behind_bytes",
+            "behind_age",
+            "admit",
+            "evict",
+        }
+    )
     if "lmdb" not in opts and "redis" not in opts:
-        raise StoreConfigError("tiered:// needs lmdb=/abs/dir and/or redis=<URL> (and optionally memory=): "
-                               f"{redact_url(url)!r}")
+        raise StoreConfigError(
+            f"tiered:// needs lmdb=/abs/dir and/or redis=<URL> (and optionally memory=): {redact_url(url)!r}"
+        )
     # write= and admit=: TieredStore's own check (tiered_admission.py), made here so a bad URL opens nothing
     write, admit = write_options(opts.get("write", "behind").lower(), opts.get("admit", "1"), "tiered://")
     if write == "through" and ({"behind_bytes", "behind_age"} & set(opts)):
-        raise StoreConfigError("tiered:// behind_bytes= and behind_age= apply to write=behind only: "
-                               f"{redact_url(url)!r}")
+        raise StoreConfigError(
+            f"tiered:// behind_bytes= and behind_age= apply to write=behind only: {redact_url(url)!r}"
+        )
     behind_bytes = parse_size(opts["behind_bytes"], "behind_bytes") if "behind_bytes" in opts else None
     behind_age = None
     if "behind_age" in opts:
@@ -281,30 +313,42 @@ def _tiered(parsed: StoreURL, url: str) -> TieredSpec:
         except ValueError:
             behind_age = math.nan
         if not 0 < behind_age < math.inf:
-            raise StoreConfigError(f"tiered:// behind_age= takes a positive number of seconds, got "
-                                   f"{opts['behind_age'][:40]!r}")
+            raise StoreConfigError(
+                f"tiered:// behind_age= takes a positive number of seconds, got {opts['behind_age'][:40]!r}"
+            )
     redis = None
     if "redis" in opts:
         inner = parse_url(opts["redis"])
         if inner.scheme not in REDIS_SCHEMES:
-            raise StoreConfigError("tiered:// redis= takes a redis://, rediss:// or redis+cluster:// URL: "
-                                   f"{redact_url(url)!r}")
+            raise StoreConfigError(
+                f"tiered:// redis= takes a redis://, rediss:// or redis+cluster:// URL: {redact_url(url)!r}"
+            )
         redis = _redis(inner, opts["redis"])
     lmdb = None
     if "lmdb" in opts:
-        lmdb = LMDBSpec(opts["lmdb"], parse_size(opts.get("lmdb_capacity", DEFAULT_LMDB_CAPACITY), "lmdb_capacity"),
-                        _evict(opts, "tiered", "lmdb_evict"))
+        lmdb = LMDBSpec(
+            opts["lmdb"],
+            parse_size(opts.get("lmdb_capacity", DEFAULT_LMDB_CAPACITY), "lmdb_capacity"),
+            _evict(opts, "tiered", "lmdb_evict"),
+        )
     elif "lmdb_evict" in opts:
         raise StoreConfigError(f"tiered:// lmdb_evict= needs lmdb=/abs/dir: {redact_url(url)!r}")
-    memory = MemorySpec(parse_size(opts.get("memory", DEFAULT_MEMORY_CAPACITY), "memory capacity"),
-                        _auto_bool(opts.get("pinned"), "pinned"), _auto_bool(opts.get("reserve"), "reserve"),
-                        _evict(opts, "tiered"))
+    memory = MemorySpec(
+        parse_size(opts.get("memory", DEFAULT_MEMORY_CAPACITY), "memory capacity"),
+        _auto_bool(opts.get("pinned"), "pinned"),
+        _auto_bool(opts.get("reserve"), "reserve"),
+        _evict(opts, "tiered"),
+    )
     return TieredSpec(memory, lmdb, redis, write, behind_bytes, behind_age, admit)
 
 
 # scheme -> parser; the openers are in kvoffload.store (open_spec), next to the store classes.
 PARSERS: dict[str, Callable[[StoreURL, str], StoreSpec]] = {
-    "memory": _memory, "lmdb": _lmdb, **{s: _redis for s in REDIS_SCHEMES}, "tiered": _tiered}
+    "memory": _memory,
+    "lmdb": _lmdb,
+    **{s: _redis for s in REDIS_SCHEMES},
+    "tiered": _tiered,
+}
 
 
 def parse_store_url(url: str) -> StoreSpec:
@@ -312,6 +356,8 @@ def parse_store_url(url: str) -> StoreSpec:
     parsed = parse_url(url)
     parser = PARSERS.get(parsed.scheme)
     if parser is None:
-        raise StoreConfigError(f"unknown store scheme {parsed.scheme!r} in {redact_url(url)!r}: use memory://, "
-                               "lmdb://, redis:// (rediss://, redis+cluster://) or tiered://")
+        raise StoreConfigError(
+            f"unknown store scheme {parsed.scheme!r} in {redact_url(url)!r}: use memory://, "
+            "lmdb://, redis:// (rediss://, redis+cluster://) or tiered://"
+        )
     return parser(parsed, url)

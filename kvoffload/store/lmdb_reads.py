@@ -1,0 +1,113 @@
+"""LMDB reads on several threads. A large `read_many` is cut into contiguous runs of about equal bytes,
+one per reader; each reader opens its own read transaction (readers never wait for the writer, nor
+for each other), verifies and hands its values to the caller's `consume` straight from the map. The
+checksum holds the GIL; the copy a `consume` makes out of the map, and its page faults, do not, so
+readers overlap where one thread would wait for each in turn."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import lmdb
+
+from . import entry
+
+READERS = max(1, min(8, (os.cpu_count() or 2) // 2))  # default threads of one large read
+PARALLEL_READ_BYTES = 16 << 20  # a read of fewer bytes stays on the caller's thread
+
+# One reader's outcome: indices served, entries that failed verification (key -> why), bytes served,
+# and the lmdb.Error that ended its run early (what it did not serve is a miss).
+PartResult = tuple[list[int], dict[bytes, str], int, "lmdb.Error | None"]
+
+
+def read_part(
+    env: lmdb.Environment,
+    meta_db,
+    data_db,
+    fingerprint: bytes,
+    keys: Sequence[bytes],
+    indices: range,
+    consume: Callable[[int, memoryview], None],
+) -> PartResult:
+    """Read and verify `keys[i]` for i in `indices` in one transaction; `consume` each good value."""
+    served: list[int] = []
+    bad: dict[bytes, str] = {}
+    nbytes = 0
+    try:
+        with env.begin(buffers=True) as txn:
+            for i in indices:
+                key = keys[i]
+                meta = txn.get(key, db=meta_db)
+                if meta is None:
+                    continue
+                payload = txn.get(key, db=data_db)
+                problem = entry.verify(entry.decode_header(meta), fingerprint, payload)
+                if problem:
+                    bad[key] = problem
+                    continue
+                assert payload is not None  # verify() passes no missing payload
+                consume(i, payload)
+                served.append(i)
+                nbytes += payload.nbytes
+    except lmdb.Error as exc:
+        return served, bad, nbytes, exc
+    return served, bad, nbytes, None
+
+
+class Readers:
+    """A store's reader threads: `split` a read into runs, `run` them (the first on the caller's thread)."""
+
+    def __init__(self, count: int | None = None):
+        self.count = READERS if count is None else max(1, int(count))
+        self._pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, executor): made on a first large read
+        self._lock = threading.Lock()
+
+    def split(self, env: lmdb.Environment, meta_db, keys: Sequence[bytes]) -> list[range]:
+        """Contiguous runs of `keys` of about equal bytes, one per reader; one run for a read under
+        PARALLEL_READ_BYTES (sizes from the headers: a hint only, each reader reads its own again)."""
+        if self.count < 2 or len(keys) < 2:
+            return [range(len(keys))]
+        try:
+            with env.begin(buffers=True) as txn:
+                sizes = [
+                    getattr(entry.decode_header(meta), "length", 0) if (meta := txn.get(k, db=meta_db)) else 0
+                    for k in keys
+                ]
+        except lmdb.Error:
+            return [range(len(keys))]
+        total = sum(sizes)
+        if total < PARALLEL_READ_BYTES:
+            return [range(len(keys))]
+        n = min(self.count, len(keys))
+        cuts, running, target = [0], 0, total / n
+        for i, size in enumerate(sizes):
+            running += size
+            if running >= target * len(cuts) and len(cuts) < n and i + 1 < len(keys):
+                cuts.append(i + 1)
+        cuts.append(len(keys))
+        return [range(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+    def run(self, parts: list[range], read: Callable[[range], PartResult]) -> list[PartResult]:
+        if len(parts) == 1:
+            return [read(parts[0])]
+        pool = self._executor()
+        futures = [pool.submit(read, part) for part in parts[1:]]
+        return [read(parts[0])] + [future.result() for future in futures]
+
+    def _executor(self) -> ThreadPoolExecutor:
+        """The threads (made on first use, and again in a forked child: threads do not survive a fork)."""
+        with self._lock:
+            if self._pool is None or self._pool[0] != os.getpid():
+                executor = ThreadPoolExecutor(self.count - 1, thread_name_prefix="kvoffload-lmdb-read")
+                self._pool = (os.getpid(), executor)
+            return self._pool[1]
+
+    def close(self) -> None:
+        """Wait for running readers and stop the threads (a store closes its environment after this)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None and pool[0] == os.getpid():
+            pool[1].shutdown(wait=True)

@@ -370,20 +370,9 @@ def verify(
     else:
         with open_store(store_url, fingerprint=layout.fingerprint) as store:
             progress(started)
-            cold = run_phase(
-                model_dir,
-                store,
-                namespace,
-                cases,
-                block_size,
-                max_tokens,
-                progress=progress,
-                device=device,
-                kernels=kernels,
-            )
-            if not restart:
-                progress("[verify] device cache dropped; warm run")
-                warm = run_phase(
+
+            def in_this_process() -> PhaseResult:
+                return run_phase(
                     model_dir,
                     store,
                     namespace,
@@ -394,6 +383,11 @@ def verify(
                     device=device,
                     kernels=kernels,
                 )
+
+            cold = in_this_process()
+            if not restart:
+                progress("[verify] device cache dropped; warm run")
+                warm = in_this_process()
         if restart:
             progress("[verify] device cache dropped, process restarted; warm run")
             warm = _phase_in_new_process(*phase)

@@ -5,9 +5,10 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Test helpers live in tests/support/ and are imported by bare name (`import vllm_harness`); tests/ for
-# `from conftest import ...`.
-sys.path[:0] = [os.path.join(ROOT, "tests", "support"), os.path.join(ROOT, "tests")]
+# Tests mirror the packages (tests/store/, tests/connectors/, tests/vllm/, ...); their helpers are the
+# `support` package (`from support import vllm_harness`) and this module (`from conftest import ...`),
+# both found through tests/ on the path.
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 
 def store_urls(tmp_path, capacity="64MiB", memory="64MiB"):

@@ -6,7 +6,7 @@ import pathlib
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parent.parent  # tests/ -> the repository root
 CORE = ("kvoffload.spec", "kvoffload.store", "kvoffload.connectors")
 ABOVE = ("kvoffload.bench", "kvoffload.harness", "kvoffload.cli", "kvoffload.demo", "kvoffload.verify", "glm_integration")
 

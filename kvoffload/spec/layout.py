@@ -18,7 +18,7 @@ import hashlib
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Protocol, TypeVar
 
@@ -182,30 +182,6 @@ class CacheLayout:
         one rank is read by all)."""
         canonical = json.dumps(self.fingerprint_fields(), sort_keys=True, separators=(",", ":"))
         return hashlib.blake2b(canonical.encode(), digest_size=16, person=b"kvoffload-layout").digest()
-
-    def describe(self) -> dict:
-        """A JSON-ready summary for `kvoffload inspect` and reports."""
-        return {
-            "model_id": self.model_id,
-            "fingerprint": self.fingerprint.hex(),
-            "block_size": self.block_size,
-            "hash_block_size": self.hash_block_size,
-            "hit_alignment": self.hit_alignment,
-            "index_kpool": self.index_kpool,
-            "num_blocks": self.num_blocks,
-            "tp": [self.tp_rank, self.tp_size],
-            "stored_bytes_per_block": self.stored_bytes_per_block(),
-            "groups": [
-                {
-                    **g.geometry(),
-                    "spec_type": g.spec_type,
-                    "tp_replicas": g.tp_replicas,
-                    "used_bytes_per_block": g.used_bytes_per_block,
-                    "regions": [asdict(r) for r in g.regions],
-                }
-                for g in self.groups
-            ],
-        }
 
 
 class GroupView(Protocol):

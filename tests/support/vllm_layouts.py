@@ -33,7 +33,7 @@ which carries only the fields the planner reads (``max_model_len``,
 alignment that ``Platform._align_hybrid_block_size`` would do is reproduced
 in :func:`_align_hybrid_block_size` (same formula, same cache_config fields),
 pinned to vLLM's own by ``test_copied_hybrid_alignment_matches_vllm``
-(tests/test_layout_vllm.py), which runs both on the same configs.
+(tests/spec/test_layout_vllm.py), which runs both on the same configs.
 
 vLLM is imported lazily inside functions so this module imports without it.
 """

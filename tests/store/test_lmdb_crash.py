@@ -24,7 +24,7 @@ from kvoffload import open_store
 from kvoffload.store import parse_size
 from kvoffload.store.lmdb_store import entry_charge, map_size_for
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT  # noqa: E402  (the repository root)
 ROUNDS = 50
 SEED = 20240611
 CAPACITY = "512MiB"  # far above the live data (<= KEYS * 2 MiB): nothing is ever evicted

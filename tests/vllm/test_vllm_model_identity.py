@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the connector tests need vLLM (installed by `make test`)")
 
-import vllm_harness as vh  # noqa: E402
+from support import vllm_harness as vh  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -45,7 +45,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-import vllm_layouts  # noqa: E402  (tests/support/ is on sys.path: conftest.py)
+from support import vllm_layouts  # noqa: E402  (tests/ is on sys.path: conftest.py)
 
 from kvoffload.connectors.plan import page_key, pages_for_load  # noqa: E402
 from kvoffload.spec import GroupKind  # noqa: E402

@@ -1,7 +1,7 @@
 """KVOffloadConnector in the real vLLM GPU engine (vLLM 0.33 CUDA wheel): a llama-shaped model, a hybrid
 qwen3next model and GLM-5.3-Flash (`glm5next`, a random 4-layer checkpoint with the full model's MLA,
 indexer and KDA widths). Skipped without CUDA and vLLM: it runs on a GPU machine, never in CI
-(`pytest -m vllm_gpu tests/test_vllm_gpu.py`, one xdist group per model: `-n 3 --dist loadgroup`).
+(`pytest -m vllm_gpu tests/vllm/test_vllm_gpu.py`, one xdist group per model: `-n 3 --dist loadgroup`).
 
 Each model's engines run once, in a module fixture, and the tests read what they recorded:
 - memory://: cold, the same prompt from vLLM's own prefix cache, then after a reset from the connector
@@ -29,7 +29,7 @@ if not torch.cuda.is_available():
     pytest.skip("the GPU engine tests need CUDA", allow_module_level=True)
 pytest.importorskip("vllm", reason="the GPU engine tests need vLLM's CUDA build")
 
-import vllm_harness as vh  # noqa: E402
+from support import vllm_harness as vh  # noqa: E402
 from test_vllm_connector import _flip_every_stored_page, connector  # noqa: E402
 
 from kvoffload.harness.vllm_engine import Engine  # noqa: E402

@@ -30,7 +30,7 @@ def _engine(tiny_model, **kw):
 @pytest.fixture(scope="module")
 def oracle(tiny_checkpoint, tiny_model):
     pytest.importorskip("transformers")
-    from glm_oracle import Oracle
+    from support.glm_oracle import Oracle
 
     return Oracle(tiny_checkpoint, tiny_model[1].lm_head)
 

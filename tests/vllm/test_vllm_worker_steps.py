@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-import vllm_layouts  # noqa: E402
+from support import vllm_layouts  # noqa: E402
 
 from kvoffload.connectors.vllm_messages import KVOffloadMetadata, SaveJob  # noqa: E402
 from kvoffload.connectors.vllm_worker import _Worker  # noqa: E402

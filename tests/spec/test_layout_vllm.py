@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("vllm", reason="the layout adapter tests need vLLM (installed by `make test`)")
 import torch  # noqa: E402
 
-import vllm_layouts  # noqa: E402
+from support import vllm_layouts  # noqa: E402
 from kvoffload.spec import GroupKind, UnsupportedLayoutError, from_vllm  # noqa: E402
 
 

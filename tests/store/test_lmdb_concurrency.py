@@ -16,7 +16,7 @@ import pytest
 from kvoffload import open_store
 from kvoffload.store.lmdb_store import entry_charge, map_size_for
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT  # noqa: E402  (the repository root)
 WORKERS = 4
 FINGERPRINT = "concurrency-test-layout"
 BAD_COUNTERS = ("checksum_failures", "bad_header", "length_mismatch", "version_mismatch",

@@ -11,7 +11,7 @@ import pytest
 from kvoffload.bench.redis_server import Server
 from kvoffload.store import StoreConfigError, open_store
 from kvoffload.store import redis_store
-from redis_cluster import start_cluster
+from support.redis_cluster import start_cluster
 
 FP = b"f" * 16
 

@@ -310,7 +310,7 @@ def test_a_process_exiting_without_close_writes_what_is_queued(tmp_path):
 
 CHILD = """
 import os, sys, time
-sys.path.insert(0, os.path.join(os.environ["KVOFFLOAD_ROOT"], "tests"))
+sys.path[:0] = [os.path.join(os.environ["KVOFFLOAD_ROOT"], "tests", "store"), os.path.join(os.environ["KVOFFLOAD_ROOT"], "tests")]
 from test_write_behind import value_of
 from kvoffload.store import LMDBStore, MemoryStore, TieredStore
 

@@ -2,7 +2,11 @@
 one per reader; each reader opens its own read transaction (readers never wait for the writer, nor
 for each other), verifies and hands its values to the caller's `consume` straight from the map. The
 checksum holds the GIL; the copy a `consume` makes out of the map, and its page faults, do not, so
-readers overlap where one thread would wait for each in turn."""
+readers overlap where one thread would wait for each in turn.
+
+Locks: `Readers._lock` only guards making and stopping the thread pool; nothing is called under it and no
+other lock is taken inside it (a leaf of the store's lock order, see lmdb_store.py). Readers take no
+store lock: read transactions never wait for the writer."""
 
 from __future__ import annotations
 

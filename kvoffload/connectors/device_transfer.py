@@ -6,16 +6,16 @@ waits and events, so compute is never stalled by the host. Two staging slots per
 next batch move while the store takes the last one.
 
 Warm start (`warm_up`, run by the `Offloader` that owns the transfer, so at an engine's start): the four
-staging slots, their tile tables and the copy kernel for every word size the layout's spans can use are
-made before the first request. Made lazily, they cost the first restore of a process (the restart
-that offload exists for) some 100-200 ms: page-locking 512 MiB and compiling kernels.
+staging slots, their tile tables, the copy kernel for every word size the layout's spans can use and the
+wrapping of host memory by address are made before the first request. Made lazily, they cost the first
+restore of a process (the restart that offload exists for) some 100-200 ms: page-locking 512 MiB and
+compiling kernels.
 
 Only torch's stream, event and pinned-memory calls are used: on ROCm builds of torch they are HIP's.
 On a CPU buffer the same code runs without streams (used by the tests on machines without a GPU)."""
 
 from __future__ import annotations
 
-import ctypes
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -27,13 +27,16 @@ import torch
 
 from ..spec import CacheGroup
 from ..store import Store
-from ..store.base import Lease
+from ..store.base import Lease, host_address
 from .plan import Page
 from .span_copy import TILE_WORDS, SpanCopier, TileTable
 
 _T = TypeVar("_T")
 
 DEFAULT_STAGING_BYTES = 128 << 20  # per slot; two slots per direction, made by `warm_up`
+# Pages per batch at most: a batch's host work (slots, leases, publication: ~1-2 us a page) overlaps
+# the neighbouring batch's DMA, so small pages (72 KiB: ~1.3 us of DMA each) need many batches, not two.
+BATCH_PAGES = 256
 MAX_RESERVED_TILES = 1 << 20  # tile-table rows made ahead per slot (24 MiB); a larger batch grows its table
 
 
@@ -112,6 +115,8 @@ class DeviceTransfer:
                         self.copier.gather(
                             np.zeros(1, dtype=np.int64), one, slot.device, np.zeros(1, dtype=np.int64), slot.table
                         )
+                # The arena paths wrap host memory by address: the first wrap pays for numpy's set-up.
+                slot.device[:1].copy_(_host_tensor(slot.host.data_ptr(), 1), non_blocking=True)
             torch.cuda.synchronize(self.device)
         self.warm_up_s = time.perf_counter() - started
         return self.warm_up_s
@@ -119,7 +124,7 @@ class DeviceTransfer:
     def _tile_rows(self, group: CacheGroup) -> int:
         """Tile-table rows a full slot of `group`'s pages needs (every span of every page, cut in tiles)."""
         _, _, length, _ = self._template(group)
-        pages = max(1, self.staging_bytes // max(1, group.used_bytes_per_block))
+        pages = min(BATCH_PAGES, max(1, self.staging_bytes // max(1, group.used_bytes_per_block)))
         tiles = pages * int(np.sum(-(-length // TILE_WORDS)))  # in bytes: at least the tiles of any word size
         return min(tiles, MAX_RESERVED_TILES)
 
@@ -139,13 +144,16 @@ class DeviceTransfer:
         return [items[a:b] for a, b in zip(cuts, cuts[1:])]
 
     def _cuts(self, sizes: np.ndarray) -> list[int]:
-        cuts, size = [0], 0
-        for i, n in enumerate(sizes.tolist()):
-            if size and size + n > self.staging_bytes:
-                cuts.append(i)
-                size = 0
-            size += n
-        return cuts + [len(sizes)] if len(sizes) else cuts
+        """Where each batch starts (and, last, the end): greedily as many pages as fit the staging
+        bytes, at most `BATCH_PAGES`, at least one. One search per batch, not a step per page."""
+        ends = np.cumsum(sizes)
+        cuts = [0]
+        while cuts[-1] < len(sizes):
+            start = cuts[-1]
+            base = int(ends[start - 1]) if start else 0
+            fits = int(np.searchsorted(ends, base + self.staging_bytes, side="right"))
+            cuts.append(max(start + 1, min(fits, start + BATCH_PAGES)))
+        return cuts
 
     def _slot(self, direction: str, index: int, nbytes: int) -> _Slot:
         slot = self._slots.get((direction, index))
@@ -186,7 +194,7 @@ class DeviceTransfer:
     def _spans(self, batch: Sequence[Page], page_at: np.ndarray, keep: Sequence[bool] | None = None):
         """(buffer offsets, lengths, staging offsets) of every span of the batch's pages (those `keep`
         marks), computed per group for all its blocks at once."""
-        if keep is not None:
+        if keep is not None and not all(keep):
             chosen = [i for i, k in enumerate(keep) if k]
             batch, page_at = [batch[i] for i in chosen], page_at[chosen]
         groups = {id(item.group): item.group for item in batch}
@@ -358,7 +366,10 @@ class DeviceTransfer:
                     slot.filled.record()
                 with torch.cuda.stream(copies):
                     copies.wait_event(slot.filled)
-                    for address, offset, n in _runs(reservation.destinations, (page_at[first:end] - base).tolist()):
+                    addresses = reservation.addresses or [
+                        0 if out is None else host_address(out) for out in reservation.destinations
+                    ]
+                    for address, offset, n in _runs(addresses, sizes[first:end], page_at[first:end] - base):
                         _host_tensor(address, n).copy_(slot.device[offset : offset + n], non_blocking=True)
                     slot.done.record()
                 if pending is not None:
@@ -428,17 +439,17 @@ class DeviceTransfer:
         try:
             for k, batch in enumerate(batches):
                 assert leases is not None  # acquired for this batch (before the loop, or by the last iteration)
-                ok = [
-                    lease is not None and lease.view.nbytes == item.group.used_bytes_per_block
-                    for lease, item in zip(leases, batch)
-                ]
                 sizes = self._sizes(batch)
+                ok = [lease is not None and lease.view.nbytes == n for lease, n in zip(leases, sizes.tolist())]
+                addresses = [
+                    host_address(lease.view, lease.address) if good and lease is not None else 0
+                    for lease, good in zip(leases, ok)
+                ]
                 offsets = np.cumsum(sizes) - sizes
                 slot = self._slot("load", k % 2, int(sizes.sum()))
                 spans, lengths, at = self._spans(batch, offsets, ok)
                 with torch.cuda.stream(copies):
-                    views = [lease.view if good and lease is not None else None for lease, good in zip(leases, ok)]
-                    for address, offset, n in _runs(views, offsets.tolist()):
+                    for address, offset, n in _runs(addresses, sizes, offsets):
                         slot.device[offset : offset + n].copy_(_host_tensor(address, n), non_blocking=True)
                     slot.filled.record()
                 with torch.cuda.stream(kernels):
@@ -461,24 +472,29 @@ class DeviceTransfer:
         return arrived
 
 
-def _runs(views: Sequence[np.ndarray | None], offsets: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+def _runs(addresses: Sequence[int], sizes: np.ndarray, offsets: np.ndarray) -> list[tuple[int, int, int]]:
     """(host address, staging offset, length) of each run of pages adjacent both in host memory (arena
-    slots carved in order) and in staging: one DMA per run instead of one per page."""
-    run: tuple[int, int, int] | None = None
-    for view, offset in zip(views, offsets):
-        if view is None or not view.nbytes:
-            continue
-        address = view.ctypes.data
-        if run is not None and run[0] + run[2] == address and run[1] + run[2] == offset:
-            run = (run[0], run[1], run[2] + view.nbytes)
-            continue
-        if run is not None:
-            yield run
-        run = (address, offset, view.nbytes)
-    if run is not None:
-        yield run
+    slots carved in order) and in staging: one DMA per run instead of one per page. A page at address 0
+    (a miss, no room) is skipped. Vectorised: a batch of small pages costs no Python per page here."""
+    at = np.asarray(addresses, dtype=np.int64)
+    keep = (at != 0) & (sizes > 0)
+    at, n, o = at[keep], sizes[keep], offsets[keep]
+    if not len(at):
+        return []
+    starts = np.flatnonzero(np.concatenate(([True], (at[:-1] + n[:-1] != at[1:]) | (o[:-1] + n[:-1] != o[1:]))))
+    return list(zip(at[starts].tolist(), o[starts].tolist(), np.add.reduceat(n, starts).tolist()))
+
+
+class _HostMemory:
+    """Host bytes at an address, as numpy's array interface sees them: wrapped without ctypes, whose
+    array type per length costs ~10 us for every new run length."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, address: int, nbytes: int):
+        self.__array_interface__ = {"data": (address, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
 
 
 def _host_tensor(address: int, nbytes: int) -> torch.Tensor:
     """A uint8 tensor over host memory the caller holds (an arena run): torch sees it is pinned."""
-    return torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address)))
+    return torch.from_numpy(np.asarray(_HostMemory(address, nbytes)))

@@ -9,7 +9,7 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
@@ -26,21 +26,39 @@ Fill = Callable[[list["np.ndarray | None"]], list[bool]]
 
 @dataclass(frozen=True)
 class Reservation:
-    """Destinations `Store.reserve` handed out for `items` ((key, size) pairs), until `publish`."""
+    """Destinations `Store.reserve` handed out for `items` ((key, size) pairs), until `publish`.
+    `addresses`: each destination's host address (0 for none), where the tier knows them without
+    asking numpy (the arena: a device copies runs of adjacent slots without a per-page lookup)."""
 
     items: list[tuple[bytes, int]]
     destinations: list[np.ndarray | None]
     handle: object = None  # the tier's
+    addresses: list[int] | None = None
 
 
-@dataclass(frozen=True)
-class Lease:
+class Lease(NamedTuple):
     """A value held in place for the caller (a DMA source, a write-behind source): the tier does not
-    evict, reuse or overwrite its bytes until `Store.release` is called with it."""
+    evict, reuse or overwrite its bytes until `Store.release` is called with it. A tuple: a batch of
+    small pages makes thousands of these."""
 
     key: bytes
     view: np.ndarray  # uint8, exactly the value's bytes
     slot: int | None = None  # the tier's handle; None for a private copy (nothing to release)
+    address: int = 0  # the view's host address where the tier knows it (0: ask the view)
+
+
+def host_address(view: np.ndarray, known: int = 0) -> int:
+    """The host address of a value's bytes: `known` (the tier's) or the view's own (a slow lookup)."""
+    return known or view.ctypes.data
+
+
+def check_key(key: object, max_key_bytes: int | None, url: str) -> bytes:
+    """A key as bytes, or a clear error: keys are non-empty bytes within the tier's key length."""
+    if not isinstance(key, (bytes, bytearray)) or not key:
+        raise TypeError(f"keys are non-empty bytes, got {type(key).__name__}")
+    if max_key_bytes is not None and len(key) > max_key_bytes:
+        raise ValueError(f"a {len(key)}-byte key is longer than {url} takes ({max_key_bytes} bytes)")
+    return bytes(key)
 
 
 class Store(ABC):
@@ -258,15 +276,12 @@ class Store(ABC):
         """Validate a batch before anything is written, so a bad item loses nothing of the others."""
         out = []
         for key, value in items:
-            if not isinstance(key, (bytes, bytearray)) or not key:
-                raise TypeError(f"keys are non-empty bytes, got {type(key).__name__}")
-            if self.max_key_bytes is not None and len(key) > self.max_key_bytes:
-                raise ValueError(f"a {len(key)}-byte key is longer than {self.url} takes ({self.max_key_bytes} bytes)")
+            key = check_key(key, self.max_key_bytes, self.url)
             view = byte_view(value)
             if view.nbytes + overhead > self.max_entry_bytes:
                 raise EntryTooLargeError(
                     f"a {view.nbytes}-byte value cannot fit in {self.url}: it takes entries up to "
                     f"{self.max_entry_bytes} bytes (capacity {self.capacity} bytes); raise the capacity"
                 )
-            out.append((bytes(key), view))
+            out.append((key, view))
         return out

@@ -52,12 +52,12 @@ class LRU:
         """The least recently used evictable key, dropped from the order; None if none may go. A key
         that may not go counts as in use: it moves to the recent end, so a long run of held entries
         (values waiting for the write-behind) is stepped over once, not on every eviction."""
-        for _ in range(len(self._order)):
-            key = next(iter(self._order))
+        order = self._order
+        for _ in range(len(order)):
+            key = order.popitem(last=False)[0]
             if evictable(key):
-                del self._order[key]
                 return key
-            self._order.move_to_end(key)
+            order[key] = None  # held: to the recent end
         return None
 
     def clear(self) -> None:

@@ -33,7 +33,7 @@ from typing import cast
 
 import numpy as np
 
-from .base import Lease, Reservation, Store
+from .base import Lease, Reservation, Store, check_key
 from .buffers import Buffer
 from .errors import EntryTooLargeError, StoreConfigError
 from .eviction import make_policy, policy_name
@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 PAGE = 4096  # slot sizes are multiples of this
 MAX_CHUNK = 256 << 20  # default largest chunk, and so the largest value
 _SHIFT = 32  # a slot handle is chunk id << _SHIFT | slot index
+_SLOT_MASK = (1 << _SHIFT) - 1
 _lease_ids = itertools.count(1)  # unique across stores: a lease released twice or elsewhere is caught
 
 
@@ -55,10 +56,11 @@ def _cuda_present() -> bool:
 
 
 class _Chunk:
-    __slots__ = ("id", "array", "size", "slot_bytes", "carved", "free", "used")
+    __slots__ = ("id", "array", "address", "size", "slot_bytes", "carved", "free", "used")
 
     def __init__(self, id: int, array: np.ndarray):
         self.id, self.array, self.size = id, array, array.nbytes
+        self.address = array.ctypes.data  # its slots' host addresses, without a numpy lookup per slot
         self.slot_bytes = 0  # 0 while in the pool (no slot in use)
         self.carved = 0  # slots handed out so far; the rest of the chunk is uncarved
         self.free: deque[int] = deque()  # indices of freed slots, reused oldest first (see _take)
@@ -101,6 +103,7 @@ class MemoryStore(Store):
         self._open: dict[int, dict[int, _Chunk]] = {}  # slot bytes -> chunks with a free or uncarved slot
         self._pool: dict[int, _Chunk] = {}  # chunks with no slot in use
         self._holds: dict[int, int] = {}  # slot -> holders (readers, leases)
+        self._starved: set[int] = set()  # classes `_take` found no slot for since the last free
         self._orphans: set[int] = set()  # held slots whose key left the index: freed at the last release
         self._leases: dict[int, int] = {}  # lease id -> slot
         self._chunk_ids = itertools.count()
@@ -147,10 +150,11 @@ class MemoryStore(Store):
     def _class(self, nbytes: int) -> int:
         return min(max(PAGE, -(-nbytes // PAGE) * PAGE), self.chunk_bytes)
 
-    def _view(self, slot: int, nbytes: int) -> np.ndarray:
+    def _view(self, slot: int, nbytes: int) -> tuple[np.ndarray, int]:
+        """A slot's first `nbytes` and its host address."""
         chunk = self._chunks[slot >> _SHIFT]
-        start = (slot & ((1 << _SHIFT) - 1)) * chunk.slot_bytes
-        return chunk.array[start : start + nbytes]
+        start = (slot & _SLOT_MASK) * chunk.slot_bytes
+        return chunk.array[start : start + nbytes], chunk.address + start
 
     def _take(self, cls: int) -> int | None:
         """A slot of class `cls` without evicting: a free one, a new chunk's, or None."""
@@ -205,6 +209,7 @@ class MemoryStore(Store):
         return chunk
 
     def _free(self, slot: int) -> None:
+        self._starved.clear()  # a slot, perhaps a chunk, is free again: every class may find one
         chunk = self._chunks[slot >> _SHIFT]
         chunk.used -= 1
         if chunk.used == 0:  # all slots free: back to the pool, for any class
@@ -215,30 +220,46 @@ class MemoryStore(Store):
             chunk.free.append(slot & ((1 << _SHIFT) - 1))
             self._open[chunk.slot_bytes][chunk.id] = chunk
 
-    def _unindex(self, key: bytes) -> int:
-        """Drop `key` from the index; its slot is freed now, or by its last holder. Returns its bytes."""
+    def _unindex(self, key: bytes, reuse: int = 0) -> tuple[int, int | None]:
+        """Drop `key` from the index; its slot is freed now, or by its last holder. Returns its bytes,
+        and its slot itself where `reuse` names the slot's class and nobody holds it: handed straight
+        to a new value (a full arena's save reuses each victim's slot without freeing and retaking it)."""
         slot, nbytes = self._index.pop(key)
         self._policy.remove(key)
         self._used -= nbytes
         if slot in self._holds:
             self._orphans.add(slot)
+        elif reuse and self._chunks[slot >> _SHIFT].slot_bytes == reuse:
+            return nbytes, slot
         else:
             self._free(slot)
-        return nbytes
+        return nbytes, None
 
     def _reserve(self, key: bytes, cls: int, batch: dict[int, int], evicted: list[tuple[bytes, int]]) -> int | None:
         """A slot for a new value of `key`, making room: the key's old value first, then the least
-        policy's victim among unheld entries, then this batch's own earliest reservation. None: all held."""
-        while (slot := self._take(cls)) is None:
+        policy's victim among unheld entries, then this batch's own earliest reservation. None: all held.
+        A class found full once in a batch (`_starved`) is not searched again until a slot is freed."""
+        slot = None if cls in self._starved else self._take(cls)
+        if slot is None:
+            self._starved.add(cls)
+        while slot is None:
             old = self._index.get(key)
             if old is not None and old[0] not in self._holds:
-                self._unindex(key)  # replaced anyway: not an eviction
-            elif (victim := self._policy.victim(self._unheld)) is not None:
-                evicted.append((victim, self._unindex(victim)))  # counted once per batch
+                slot = self._unindex(key, cls)[1]  # replaced anyway: not an eviction
+            elif (victim := self._policy.victim(self._unheld)) is not None:  # unheld, out of the policy
+                taken, nbytes = self._index.pop(victim)
+                self._used -= nbytes
+                evicted.append((victim, nbytes))  # counted once per batch
+                if self._chunks[taken >> _SHIFT].slot_bytes == cls:
+                    slot = taken  # straight to the new value: not freed and taken again
+                else:
+                    self._free(taken)
             elif batch:
                 self._free(batch.pop(next(iter(batch))))
             else:
                 return None
+            if slot is None and (slot := self._take(cls)) is not None:
+                self._starved.discard(cls)
         return slot
 
     def _unheld(self, key: bytes) -> bool:
@@ -256,20 +277,32 @@ class MemoryStore(Store):
                     self._orphans.remove(slot)
                     self._free(slot)
 
-    def _hold(self, keys: Sequence[bytes], touch: bool) -> list[tuple[int, np.ndarray] | None]:
-        held: list[tuple[int, np.ndarray] | None] = []
+    def _hold(self, keys: Sequence[bytes], touch: bool, lease: bool) -> list[Lease | None]:
+        """Hold each present value's slot (None for a miss): a lease each (`lease`, until `release`),
+        or the slot itself in `Lease.slot` (a reader's hold, let go by `_release_holds`). One pass
+        under the lock: a batch of small pages pays a few dict operations per page."""
+        held: list[Lease | None] = []
+        append, index, holds, chunks, leases = held.append, self._index, self._holds, self._chunks, self._leases
+        mark = self._policy.touch if touch else None
         with self._lock:
             for key in keys:
-                entry = self._index.get(key)
+                entry = index.get(key)
                 if entry is None:
-                    held.append(None)
+                    append(None)
                     continue
-                if touch:
-                    self._policy.touch(key)
-                self._holds[entry[0]] = self._holds.get(entry[0], 0) + 1
-                held.append((entry[0], self._view(*entry)))
+                slot, nbytes = entry
+                if mark is not None:
+                    mark(key)
+                holds[slot] = holds.get(slot, 0) + 1
+                handle = slot
+                if lease:
+                    handle = next(_lease_ids)
+                    leases[handle] = slot
+                chunk = chunks[slot >> _SHIFT]  # `_view`, inlined: this loop runs once per page
+                start = (slot & _SLOT_MASK) * chunk.slot_bytes
+                append(Lease(key, chunk.array[start : start + nbytes], handle, chunk.address + start))
         if touch:
-            hits = [h[1].nbytes for h in held if h is not None]
+            hits = [h.view.nbytes for h in held if h is not None]
             self._count(hits=len(hits), misses=len(keys) - len(hits), get_bytes=sum(hits))
         return held
 
@@ -278,27 +311,30 @@ class MemoryStore(Store):
         batch: dict[int, int] = {}  # item -> reserved slot, in batch order
         latest: dict[bytes, int] = {}  # key -> the item of this batch that will hold it
         dests: list[np.ndarray | None] = [None] * len(items)
+        addresses = [0] * len(items)
         evicted: list[tuple[bytes, int]] = []  # (key, bytes)
+        classes = {n: self._class(n) for n in {n for _, n in items}}  # a layout has few page sizes
         with self._lock:
             for i, (key, nbytes) in enumerate(items):
                 if key in latest and latest[key] in batch:  # a later value of the key replaces it
                     self._free(batch.pop(latest[key]))
-                slot = self._reserve(key, self._class(nbytes), batch, evicted)
+                slot = self._reserve(key, classes[nbytes], batch, evicted)
                 if slot is not None:
                     batch[i], latest[key] = slot, i
             for i, slot in batch.items():
-                dests[i] = self._view(slot, items[i][1])
+                dests[i], addresses[i] = self._view(slot, items[i][1])
             self._pending += len(batch)
         if evicted:
             self._count(evictions=len(evicted), evicted_bytes=sum(n for _, n in evicted))
             if self._on_evict is not None:  # a key this batch writes again is not gone
                 self._report_evicted(list({k for k, _ in evicted}.difference(key for key, _ in items)))
-        return Reservation(items, dests, batch)
+        return Reservation(items, dests, batch, addresses)
 
     def publish(self, reservation: Reservation, filled: Sequence[bool]) -> list[bool]:
         """Index the slots `filled` marks (replacing older values of their keys), free the others."""
         items, batch = reservation.items, cast(dict[int, int], reservation.handle)  # ours: item -> slot
         written = [False] * len(items)
+        index, insert, used = self._index, self._policy.insert, 0
         with self._lock:
             self._pending -= len(batch)
             for i, slot in batch.items():
@@ -306,12 +342,13 @@ class MemoryStore(Store):
                 if not filled[i]:
                     self._free(slot)
                     continue
-                if key in self._index:
+                if key in index:
                     self._unindex(key)
-                self._index[key] = (slot, nbytes)
-                self._policy.insert(key, nbytes)
-                self._used += nbytes
+                index[key] = (slot, nbytes)
+                insert(key, nbytes)
+                used += nbytes
                 written[i] = True
+            self._used += used
         ok, declined = sum(written), sum(1 for i in batch if not written[i])
         self._count(
             puts=ok, put_bytes=sum(n for (_, n), w in zip(items, written) if w), dropped_puts=len(items) - ok - declined
@@ -332,7 +369,7 @@ class MemoryStore(Store):
     def reserve(self, items: Sequence[tuple[bytes, int]]) -> Reservation:
         """Held slots for the values (None: no room, or a later item of the batch replaces or evicts
         that one), invisible until `publish`; `write_many` is reserve, fill, publish."""
-        keys = [key for key, _ in self._views([(key, b"") for key, _ in items])]  # put_many's key checks
+        keys = [check_key(key, self.max_key_bytes, self.url) for key, _ in items]
         sizes = [int(n) for _, n in items]
         for n in sizes:
             if n < 0:
@@ -346,29 +383,19 @@ class MemoryStore(Store):
 
     # -- reads -----------------------------------------------------------------------------------
     def read_many(self, keys: Sequence[bytes], consume: Callable[[int, memoryview], None]) -> list[bool]:
-        held = self._hold(keys, touch=True)
+        held = self._hold(keys, touch=True, lease=False)
         try:
             for i, entry in enumerate(held):
                 if entry is not None:
-                    consume(i, entry[1].data)  # outside the lock; the hold keeps the bytes
+                    consume(i, entry.view.data)  # outside the lock; the hold keeps the bytes
         finally:
             with self._lock:
-                self._release_holds(h[0] for h in held if h is not None)
+                self._release_holds(cast(int, h.slot) for h in held if h is not None)
         return [h is not None for h in held]
 
     def acquire(self, keys: Sequence[bytes], *, touch: bool = True) -> list[Lease | None]:
         """Hold each present value in its slot (None for a miss) until `release`; do not write the views."""
-        leases: list[Lease | None] = []
-        held = self._hold(keys, touch)
-        with self._lock:
-            for key, entry in zip(keys, held):
-                lease = None
-                if entry is not None:
-                    lease_id = next(_lease_ids)
-                    lease = Lease(bytes(key), entry[1], lease_id)
-                    self._leases[lease_id] = entry[0]
-                leases.append(lease)
-        return leases
+        return self._hold(keys, touch, lease=True)
 
     def release(self, leases: Iterable[Lease | None]) -> None:
         """Give back leases (None entries and private copies are ignored). A lease released twice, or
@@ -430,6 +457,7 @@ class MemoryStore(Store):
             for table in (self._index, self._chunks, self._open, self._pool, self._holds, self._leases):
                 table.clear()
             self._orphans.clear()
+            self._starved.clear()
             self._policy.clear()
             self._reserved = self._used = 0
             self._closed = True

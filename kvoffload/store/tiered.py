@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .base import Lease, Reservation, Store
+from .base import Lease, Reservation, Store, check_key
 from .buffers import Buffer
 from .tiered_admission import Admission, write_options
 from .tiered_behind import DEFAULT_BEHIND_AGE, WriteBehind, default_behind_bytes
@@ -146,9 +146,10 @@ class TieredStore(Store):
         items = list(items)
         if self.write == "through" or any(not self._fits_front(n) or n > self.max_entry_bytes for _, n in items):
             return super().reserve(items)
-        self._views([(key, b"") for key, _ in items])  # the keys, against the back's limits
+        for key, _ in items:  # the keys, against the back's limits
+            check_key(key, self.max_key_bytes, self.url)
         front = self.front.reserve(items)
-        return Reservation(items, front.destinations, front)
+        return Reservation(items, front.destinations, front, front.addresses)
 
     def publish(self, reservation: Reservation, filled: Sequence[bool]) -> list[bool]:
         handle = reservation.handle

@@ -64,6 +64,24 @@ def test_pages_round_trip_byte_exact_across_staging_batches(device, use_triton, 
     assert not copied[:11 * STRIDE].any()  # blocks below the targets untouched
 
 
+def test_batches_fit_the_staging_bytes_and_take_at_most_batch_pages(monkeypatch):
+    """Greedy batches: as many pages as fit a slot (a larger page alone), and at most BATCH_PAGES so
+    that small pages' host work overlaps the neighbouring batch's DMA; every page in exactly one."""
+    from kvoffload.connectors import device_transfer
+
+    monkeypatch.setattr(device_transfer, "BATCH_PAGES", 5)
+    transfer = DeviceTransfer(torch.zeros(64, dtype=torch.uint8), staging_bytes=1000)
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        sizes = rng.integers(1, 1500, rng.integers(0, 40))
+        cuts = transfer._cuts(sizes)
+        assert cuts[0] == 0 and cuts[-1] == len(sizes) and all(a < b for a, b in zip(cuts, cuts[1:]))
+        for a, b in zip(cuts, cuts[1:]):
+            assert b - a <= 5 and (b - a == 1 or sizes[a:b].sum() <= 1000)
+            if b < len(sizes) and b - a < 5:  # cut early only where the next page would not fit
+                assert sizes[a : b + 1].sum() > 1000
+
+
 @pytest.mark.parametrize("device,use_triton", PATHS)
 def test_misses_and_wrong_sized_pages_are_not_scattered(device, use_triton):
     paged, state = _groups()
@@ -138,11 +156,26 @@ def test_streams_order_saves_after_compute_and_compute_after_loads():
 def test_adjacent_arena_slots_move_in_one_copy():
     from kvoffload.connectors.device_transfer import _runs
 
-    arena = np.zeros(64, dtype=np.uint8)
-    views = [arena[0:8], arena[8:16], None, arena[32:40], arena[40:44]]
+    base = np.zeros(64, dtype=np.uint8).ctypes.data
+    addresses = [base, base + 8, 0, base + 32, base + 40]  # 0: a page with no slot
+    sizes, offsets = np.array([8, 8, 8, 8, 4]), np.array([0, 8, 16, 24, 40])
     # adjacent in the arena and in staging: one run; a gap in either breaks it
-    assert list(_runs(views, [0, 8, 16, 24, 40])) == [(arena.ctypes.data, 0, 16), (arena.ctypes.data + 32, 24, 8),
-                                                      (arena.ctypes.data + 40, 40, 4)]
+    assert _runs(addresses, sizes, offsets) == [(base, 0, 16), (base + 32, 24, 8), (base + 40, 40, 4)]
+    assert _runs([0, 0], sizes[:2], offsets[:2]) == []
+
+
+def test_the_arena_says_its_slots_addresses():
+    """The in-place paths take host addresses from the arena (no numpy lookup per page): they must be
+    the very addresses of the views it hands out, for reservations and leases alike."""
+    store = open_store("memory://?capacity=1MiB")
+    keys = [b"a", b"b", b"c"]
+    reservation = store.reserve([(k, 5000) for k in keys])
+    assert reservation.addresses == [view.ctypes.data for view in reservation.destinations]
+    assert store.publish(reservation, [True] * 3) == [True] * 3
+    leases = store.acquire(keys + [b"missing"])
+    assert [lease.address for lease in leases[:3]] == reservation.addresses and leases[3] is None
+    assert all(lease.address == lease.view.ctypes.data for lease in leases[:3])
+    store.release(leases)
 
 
 @pytest.mark.skipif(not GPU, reason="a background save's fence needs a GPU")

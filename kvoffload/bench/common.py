@@ -1,5 +1,5 @@
-"""What every benchmark shares: timing (median of repeats), machine facts, the page-cache drop, and
-writing results."""
+"""What every benchmark shares: timing (median of repeats), machine facts, a result's common head, the
+page-cache drop, and writing results."""
 
 from __future__ import annotations
 
@@ -30,6 +30,11 @@ def machine() -> dict:
         "memory_GiB": round(psutil.virtual_memory().total / 2**30, 1),
         "processor": platform.processor(),
     }
+
+
+def new_result(benchmark: str, quick: bool, **fields: object) -> dict:
+    """A result's common head (name, quick, date, machine), then its own `fields`: one key order for all."""
+    return {"benchmark": benchmark, "quick": quick, "date": time.strftime("%Y-%m-%d"), "machine": machine(), **fields}
 
 
 def drop_page_cache() -> str:

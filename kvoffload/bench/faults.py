@@ -20,7 +20,7 @@ import tempfile
 import time
 from typing import Any
 
-from .common import machine
+from .common import new_result
 
 # Keys and values, shared with the child processes (run with `python -c`).
 WORKLOAD = r'''
@@ -378,11 +378,9 @@ def run(quick: bool = False, progress=None) -> dict:
         }
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return {
-        "benchmark": "faults",
-        "quick": quick,
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": machine(),
-        "targets": {"wrong_bytes": 0, "lost": 0, "crashed_or_failed": 0},
-        "results": {"sigkill": kills, "corruption": damage, "concurrency": together},
-    }
+    return new_result(
+        "faults",
+        quick,
+        targets={"wrong_bytes": 0, "lost": 0, "crashed_or_failed": 0},
+        results={"sigkill": kills, "corruption": damage, "concurrency": together},
+    )

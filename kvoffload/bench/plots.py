@@ -88,26 +88,26 @@ def _overhead(ax, result):
     ax.set(ylabel="ms per engine step", title="Connector cost with no hits (vLLM CPU engine)")
 
 
-def _transfer(ax, result):
+def _per_direction(result, raw: str, ours: str, key: str, tag: str = "") -> tuple[list[str], dict[str, list[float]]]:
+    """Labels and two series, per workload and direction (save, load, both): a raw memcpy's GB/s (`raw`)
+    and kvoffload's `key`_<direction>_GBps (`ours`); `transfer` and `datapath` draw these alike."""
     labels: list[str] = []
-    series: dict[str, list[float]] = {"raw pinned memcpy": [], "staged (kvoffload)": []}
+    series: dict[str, list[float]] = {raw: [], ours: []}
     for workload, row in result["results"].items():
         for direction in ("save", "load", "both"):
-            labels.append(f"{workload}\n{direction}")
-            series["raw pinned memcpy"].append(row[f"raw_memcpy_{direction}_GBps"])
-            series["staged (kvoffload)"].append(row[f"staged_{direction}_GBps"])
-    _bars(ax, labels, series)
+            labels.append(f"{workload}\n{tag}{direction}")
+            series[raw].append(row[f"raw_memcpy_{direction}_GBps"])
+            series[ours].append(row[f"{key}_{direction}_GBps"])
+    return labels, series
+
+
+def _transfer(ax, result):
+    _bars(ax, *_per_direction(result, "raw pinned memcpy", "staged (kvoffload)", "staged"))
     ax.set(ylabel="GB/s", title=f"Device <-> host pages ({result['machine'].get('device', '')})")
 
 
 def _datapath(ax, result):
-    labels: list[str] = []
-    series: dict[str, list[float]] = {"raw baseline": [], "kvoffload": []}
-    for workload, row in result["results"].items():
-        for direction in ("save", "load", "both"):
-            labels.append(f"{workload}\narena {direction}")
-            series["raw baseline"].append(row[f"raw_memcpy_{direction}_GBps"])
-            series["kvoffload"].append(row[f"arena_{direction}_GBps"])
+    labels, series = _per_direction(result, "raw baseline", "kvoffload", "arena", tag="arena ")
     tiered = result["results"]["all_groups"]["tiered_lmdb"]
     for label, raw, ours in (
         ("LMDB drain\n(write+fsync)", "raw_write_fsync_GBps", "drain_GBps"),

@@ -27,20 +27,12 @@ import torch
 from ..harness.vllm_engine import Engine
 from .common import machine
 from .datapath import _drop_file_cache, _raw_read, _raw_write
-from .vllm_models import tiny_llama
+from .vllm_models import kv_bytes_per_token, llama_sizes, tiny_llama
 
 BLOCK = 32
 # Wide KV (8 KV heads of 128, 4 layers, float32): 32 KiB per token, so a prefix is tens of MB and its
 # load is visible beside a tiny model's compute.
-MODEL = dict(
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=4096,
-)
+MODEL = llama_sizes(hidden=256, intermediate=512, layers=4, heads=8, kv_heads=8, head_dim=128, positions=4096)
 NAMES = ("none", "tiered_no_prefetch", "tiered_prefetch")
 
 
@@ -73,8 +65,7 @@ def run(quick: bool = False, progress=None) -> dict:
         stores = {name: f"{tmp}/{name}" for name in NAMES[1:]}
         for directory in stores.values():
             shutil.copytree(f"{tmp}/written", directory)
-        token_bytes = 2 * MODEL["num_hidden_layers"] * MODEL["num_key_value_heads"] * MODEL["head_dim"] * 4
-        prefix_bytes = prefix_tokens * token_bytes
+        prefix_bytes = prefix_tokens * kv_bytes_per_token(MODEL, 4)  # float32
         configs = {
             "none": None,
             "tiered_no_prefetch": _connector(_tiered(stores["tiered_no_prefetch"]), prefetch_bytes="0"),

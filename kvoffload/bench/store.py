@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..store import Store, open_store
-from .common import drop_page_cache, machine, median_seconds
+from .common import drop_page_cache, median_seconds, new_result
 
 FULL_SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 QUICK_SIZES = [64 << 10, 1 << 20]
@@ -114,11 +114,5 @@ def run(quick: bool = False, directory: str | None = None, progress=None) -> dic
                 )
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return {
-        "benchmark": "store",
-        "quick": quick,
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": machine(),
-        "targets": {"memory_get_vs_memcpy": 0.9, "lmdb_put_vs_raw_write": 0.7, "lmdb_get_vs_raw_read": 0.8},
-        "results": rows,
-    }
+    targets = {"memory_get_vs_memcpy": 0.9, "lmdb_put_vs_raw_write": 0.7, "lmdb_get_vs_raw_read": 0.8}
+    return new_result("store", quick, targets=targets, results=rows)

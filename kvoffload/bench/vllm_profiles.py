@@ -8,24 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-CPU_MODEL = dict(
-    hidden_size=256,
-    intermediate_size=1024,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=32,
-    max_position_embeddings=4096,
-)
-GPU_MODEL = dict(
-    hidden_size=1024,
-    intermediate_size=2048,
-    num_hidden_layers=32,
-    num_attention_heads=8,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=70_000,
-)
+from .vllm_models import kv_bytes_per_token, llama_sizes
+
+CPU_MODEL = llama_sizes(hidden=256, intermediate=1024, layers=4, heads=8, kv_heads=4, head_dim=32, positions=4096)
+GPU_MODEL = llama_sizes(hidden=1024, intermediate=2048, layers=32, heads=8, kv_heads=8, head_dim=128, positions=70_000)
 
 
 @dataclass(frozen=True)
@@ -39,8 +25,7 @@ class Profile:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        m, width = self.model, {"float32": 4, "bfloat16": 2}[self.dtype]
-        return m["num_hidden_layers"] * 2 * m["num_key_value_heads"] * m["head_dim"] * width
+        return kv_bytes_per_token(self.model, {"float32": 4, "bfloat16": 2}[self.dtype])
 
     def connector_configs(self, tmp: str, capacity: str = "2GiB") -> dict[str, dict | None]:
         """Every configuration a benchmark may name: no connector, ours on each tier, a no-op connector,

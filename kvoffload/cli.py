@@ -65,22 +65,16 @@ def _demo(args: argparse.Namespace) -> int:
     return _print_report(run_demo(args.store, progress=_progress), args.json)
 
 
+# the verify flags whose names are `verify`'s keywords (--model and --prompts are not)
+VERIFY_FLAGS = ("preset", "restart", "separate", "block_size", "max_tokens", "device", "kernels")
+
+
 def _verify(args: argparse.Namespace) -> int:
     from .verify import verify
 
-    report = verify(
-        args.store,
-        model_dir=args.model,
-        preset=args.preset,
-        prompts_file=args.prompts,
-        restart=args.restart,
-        separate=args.separate,
-        block_size=args.block_size,
-        max_tokens=args.max_tokens,
-        progress=None if args.quiet else _progress,
-        device=args.device,
-        kernels=args.kernels,
-    )
+    same = {name: getattr(args, name) for name in VERIFY_FLAGS}
+    progress = None if args.quiet else _progress
+    report = verify(args.store, model_dir=args.model, prompts_file=args.prompts, progress=progress, **same)
     return _print_report(report, args.json)
 
 

@@ -30,6 +30,8 @@ from ..spec.layout import GroupView, LayoutView
 # A request's block table: one for every group (the bundled runner), or one per group index (vLLM's
 # hybrid allocator gives each group its own block IDs).
 BlockTable = Sequence[int] | Mapping[int, Sequence[int]]
+# A store's batched presence query (`Store.contains_many`): one answer per key, in order.
+Contains = Callable[[list[bytes]], list[bool]]
 
 G = TypeVar("G", bound=GroupView)
 
@@ -125,11 +127,7 @@ def max_hit_blocks(layout: LayoutView, num_prompt_tokens: int) -> int:
 
 
 def hit_blocks(
-    layout: LayoutView,
-    block_keys: Sequence[bytes],
-    num_prompt_tokens: int,
-    contains: Callable[[list[bytes]], list[bool]],
-    start: int = 0,
+    layout: LayoutView, block_keys: Sequence[bytes], num_prompt_tokens: int, contains: Contains, start: int = 0
 ) -> int:
     """How many leading blocks a store can restore on every TP rank (>= `start`, the blocks the engine
     already holds; returns `start` when the store adds nothing). One batched presence query."""
@@ -137,11 +135,7 @@ def hit_blocks(
 
 
 def hit_and_junction(
-    layout: LayoutView,
-    block_keys: Sequence[bytes],
-    num_prompt_tokens: int,
-    contains: Callable[[list[bytes]], list[bool]],
-    start: int = 0,
+    layout: LayoutView, block_keys: Sequence[bytes], num_prompt_tokens: int, contains: Contains, start: int = 0
 ) -> tuple[int, int]:
     """`hit_blocks`, and the junction: where the leading run of blocks whose PAGED pages are all stored
     ends (aligned down), when that is past the hit, else 0. There a stored prefix lacks the checkpoint

@@ -89,38 +89,32 @@ class StateRetention:
         terms += ["backexp"] if self.backexp else []
         return "+".join(terms)
 
-    def keeps(
-        self,
-        layout: LayoutView,
-        num_prompt_tokens: int,
-        boundary: int,
-        key_blocks: int | None = None,
-        junction: int = 0,
-    ) -> bool:
-        """Whether the checkpoint `boundary` blocks into a prompt of `num_prompt_tokens` is stored;
-        `key_blocks`: the request's keys stop there (a per-request cap), and so does its longest hit;
-        `junction`: the boundary (blocks; 0: none) where the prompt diverged from a shared prefix."""
-        step = layout.hit_alignment // layout.block_size
-        if boundary < 1 or boundary % step:
-            return False  # no hit can end there
-        j, last = boundary // step, longest_hit(layout, num_prompt_tokens, key_blocks) // step
-        if self.every and j % self.every == 0:
-            return True
-        if self.last and j == last:
-            return True
-        if self.exp and j & (j - 1) == 0:
-            return True
-        if self.junction and junction and j == junction // step:
-            return True
-        back = last - j
-        return self.backexp and back > 0 and back & (back - 1) == 0
-
     def keeper(
         self, layout: LayoutView, num_prompt_tokens: int, key_blocks: int | None = None, junction: int = 0
     ) -> Callable[[int], bool]:
-        """`keeps` for one request: boundary (blocks) -> whether its checkpoint is stored (`plan.plan_save`'s
-        `keep`)."""
-        return lambda boundary: self.keeps(layout, num_prompt_tokens, boundary, key_blocks, junction)
+        """For one request of `num_prompt_tokens`: boundary (blocks) -> whether its checkpoint is stored
+        (`plan.plan_save`'s `keep`). `key_blocks`: the request's keys stop there (a per-request cap), and
+        so does its longest hit; `junction`: the boundary (blocks; 0: none) where the prompt diverged from
+        a shared prefix."""
+        step = layout.hit_alignment // layout.block_size
+        last = longest_hit(layout, num_prompt_tokens, key_blocks) // step
+
+        def keeps(boundary: int) -> bool:
+            if boundary < 1 or boundary % step:
+                return False  # no hit can end there
+            j = boundary // step
+            if self.every and j % self.every == 0:
+                return True
+            if self.last and j == last:
+                return True
+            if self.exp and j & (j - 1) == 0:
+                return True
+            if self.junction and junction and j == junction // step:
+                return True
+            back = last - j
+            return self.backexp and back > 0 and back & (back - 1) == 0
+
+        return keeps
 
     def boundaries(
         self,
@@ -131,7 +125,8 @@ class StateRetention:
         junction: int = 0,
     ) -> list[int]:
         """The kept boundaries (in blocks) among 1..full_blocks."""
-        return [k for k in range(1, full_blocks + 1) if self.keeps(layout, num_prompt_tokens, k, key_blocks, junction)]
+        keep = self.keeper(layout, num_prompt_tokens, key_blocks, junction)
+        return [k for k in range(1, full_blocks + 1) if keep(k)]
 
     def state_blocks(
         self,
@@ -143,7 +138,8 @@ class StateRetention:
     ) -> list[int]:
         """Of the blocks an engine holds a checkpoint after (`pages_for_save`'s `state_blocks`: block i
         ends at boundary i + 1), those whose checkpoint is kept."""
-        return [i for i in blocks if self.keeps(layout, num_prompt_tokens, i + 1, key_blocks, junction)]
+        keep = self.keeper(layout, num_prompt_tokens, key_blocks, junction)
+        return [i for i in blocks if keep(i + 1)]
 
 
 def longest_hit(layout: LayoutView, num_prompt_tokens: int, key_blocks: int | None = None) -> int:

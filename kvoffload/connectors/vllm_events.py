@@ -29,10 +29,10 @@ worker collects evicted keys, unless vLLM has events enabled.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from .plan import held_keys
+from .plan import Contains, held_keys
 
 MEDIA = {"memory": "CPU"}  # every other scheme: "STORAGE"
 
@@ -63,7 +63,7 @@ class KVEvents:
         layout,
         medium: str,
         hash_block_size: int,
-        contains: Callable[[list[bytes]], list[bool]],
+        contains: Contains,
         max_blocks: int = 1 << 16,
     ):
         self.layout, self.medium, self.contains, self.max_blocks = layout, medium, contains, max_blocks

@@ -20,7 +20,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeAlias, TypeVar
 
 # Bump when the meaning of stored page bytes changes for the same layout.
 PAGE_FORMAT_VERSION = 1
@@ -184,17 +184,18 @@ class CacheLayout:
         return hashlib.blake2b(canonical.encode(), digest_size=16, person=b"kvoffload-layout").digest()
 
 
-class GroupView(Protocol):
-    """What `plan` reads of a cache group: a worker's `CacheGroup` or the scheduler's `KindsGroup`."""
+@dataclass(frozen=True)
+class KindsGroup:
+    """A cache group without byte placement: what the scheduler side plans with."""
 
-    @property
-    def index(self) -> int: ...
-    @property
-    def name(self) -> str: ...
-    @property
-    def kind(self) -> GroupKind: ...
-    @property
-    def tp_replicas(self) -> int: ...
+    index: int
+    kind: GroupKind
+    name: str
+    tp_replicas: int = 1
+
+
+# What `plan` reads of a cache group (index, name, kind, tp_replicas): a worker's or the scheduler's.
+GroupView: TypeAlias = CacheGroup | KindsGroup
 
 
 G_co = TypeVar("G_co", bound=GroupView, covariant=True)
@@ -214,16 +215,6 @@ class LayoutView(Protocol[G_co]):
     def tp_size(self) -> int: ...
     @property
     def cacheable_groups(self) -> Sequence[G_co]: ...
-
-
-@dataclass(frozen=True)
-class KindsGroup:
-    """A cache group without byte placement: what the scheduler side plans with."""
-
-    index: int
-    kind: GroupKind
-    name: str
-    tp_replicas: int = 1
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,8 @@ def host_address(view: np.ndarray, known: int = 0) -> int:
 
 def check_key(key: object, max_key_bytes: int | None, url: str) -> bytes:
     """A key as bytes, or a clear error: keys are non-empty bytes within the tier's key length."""
+    if type(key) is bytes and key and (max_key_bytes is None or len(key) <= max_key_bytes):
+        return key  # the common case, first: a batch checks thousands of keys
     if not isinstance(key, (bytes, bytearray)) or not key:
         raise TypeError(f"keys are non-empty bytes, got {type(key).__name__}")
     if max_key_bytes is not None and len(key) > max_key_bytes:

@@ -10,13 +10,15 @@ with hits left goes back to the front with one less.
 
 A policy orders keys only; the arena (memory.py) owns the values and calls it under its own lock:
 `insert` when a value is indexed, `touch` on a hit, `victim` for the next entry to evict (with a test of
-whether it may go: a held slot may not), `remove` when a key leaves otherwise (delete, replace).
+whether it may go: a held slot may not), `remove` when a key leaves otherwise (delete, replace); the
+`_many` forms and LRU's `oldest` / `drop_oldest` serve batches of small pages in bulk.
 Every call is O(1), `victim` amortised: a counter is spent once per hit."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable
+import itertools
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 
 from .errors import StoreConfigError
 
@@ -44,6 +46,21 @@ class LRU:
 
     def touch(self, key: bytes) -> None:
         self._order.move_to_end(key)
+
+    def insert_many(self, keys: Sequence[bytes], sizes: Sequence[int]) -> None:
+        self._order.update(dict.fromkeys(keys))
+
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        deque(map(self._order.move_to_end, keys), maxlen=0)
+
+    def oldest(self, count: int) -> list[bytes]:
+        """The next `count` keys `victim` would consider, not dropped (see `drop_oldest`)."""
+        return list(itertools.islice(self._order, count))
+
+    def drop_oldest(self, count: int) -> None:
+        """Evict the `count` keys `oldest` named (the arena checked that they may go)."""
+        for _ in range(count):
+            self._order.popitem(last=False)
 
     def remove(self, key: bytes) -> None:
         self._order.pop(key, None)
@@ -92,6 +109,21 @@ class S3FIFO:
     def touch(self, key: bytes) -> None:
         if key in self._freq:
             self._freq[key] = min(self._freq[key] + 1, self.MAX_FREQ)
+
+    def insert_many(self, keys: Sequence[bytes], sizes: Sequence[int]) -> None:
+        for key, nbytes in zip(keys, sizes):
+            self.insert(key, nbytes)
+
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self.touch(key)
+
+    def oldest(self, count: int) -> None:
+        """No batch of victims: which key goes depends on the hits met on the way (`victim`)."""
+        return None
+
+    def drop_oldest(self, count: int) -> None:
+        raise NotImplementedError("S3-FIFO evicts one victim at a time")
 
     def remove(self, key: bytes) -> None:
         if self._freq.pop(key, None) is None:

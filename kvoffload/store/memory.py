@@ -1,14 +1,16 @@
-"""Host-memory tier: values kept in an arena of large host-memory chunks, evicted by LRU or S3-FIFO.
+"""Host-memory tier: values kept in the slots of an arena of large host-memory chunks (arena.py),
+evicted by LRU or S3-FIFO.
 
 Chunks are page-locked (pinned, through torch) when CUDA is present, so device copies from and into
-this tier run at link speed. Memory is reserved a chunk at a time, never per value: page-locking is a
-driver call far slower than the copy, and paying it for every new value size wastes the link. A chunk
-is carved into slots of one size class (the value size rounded up to 4 KiB; a KV layout has few page
-sizes); free slots are reused in O(1), and a chunk whose slots are all free goes back to a pool that
-any class takes from, so memory follows the workload. The capacity caps the chunk bytes. A pinned arena
-is reserved whole at open (`reserve`, default: when pinned), so no save ever waits for page-locking.
-Which entry makes room is the eviction policy's choice (`evict`, eviction.py: lru, the default, or
-s3fifo); the arena tells it of every insert, hit and removal, and asks it for a victim nobody holds.
+this tier run at link speed; a pinned arena is reserved whole at open (`reserve`, default: when
+pinned), so no save ever waits for page-locking. The capacity caps the chunk bytes. Which entry makes
+room is the eviction policy's choice (`evict`, eviction.py: lru, the default, or s3fifo); the store
+tells it of every insert, hit and removal, and asks it for a victim nobody holds.
+
+Batches of small pages (thousands of 72 KiB pages a save) are the hot path: a batch of one size class
+whose keys are all new takes its slots a chunk at a time and, when full, its LRU victims at once
+(`_reserve_run`); its publication and a lease batch of present, unheld keys are bulk dict operations.
+Anything else takes the per-value path; both hand out the same slots and evict the same keys.
 
 A slot can be held: by a reader while it consumes, by a lease (`acquire`) until `release`, by a
 `write_many` while its caller fills it. Held bytes are never evicted, reused or overwritten; a key
@@ -27,12 +29,12 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import cast
 
 import numpy as np
 
+from .arena import SHIFT, SLOT_MASK, Arena
 from .base import Lease, Reservation, Store, check_key
 from .buffers import Buffer
 from .errors import EntryTooLargeError, StoreConfigError
@@ -40,10 +42,7 @@ from .eviction import make_policy, policy_name
 
 log = logging.getLogger(__name__)
 
-PAGE = 4096  # slot sizes are multiples of this
 MAX_CHUNK = 256 << 20  # default largest chunk, and so the largest value
-_SHIFT = 32  # a slot handle is chunk id << _SHIFT | slot index
-_SLOT_MASK = (1 << _SHIFT) - 1
 _lease_ids = itertools.count(1)  # unique across stores: a lease released twice or elsewhere is caught
 
 
@@ -53,18 +52,6 @@ def _cuda_present() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
-
-
-class _Chunk:
-    __slots__ = ("id", "array", "address", "size", "slot_bytes", "carved", "free", "used")
-
-    def __init__(self, id: int, array: np.ndarray):
-        self.id, self.array, self.size = id, array, array.nbytes
-        self.address = array.ctypes.data  # its slots' host addresses, without a numpy lookup per slot
-        self.slot_bytes = 0  # 0 while in the pool (no slot in use)
-        self.carved = 0  # slots handed out so far; the rest of the chunk is uncarved
-        self.free: deque[int] = deque()  # indices of freed slots, reused oldest first (see _take)
-        self.used = 0
 
 
 class MemoryStore(Store):
@@ -94,132 +81,25 @@ class MemoryStore(Store):
         self.pinned = _cuda_present() if pinned is None else pinned
         self.url = url or f"memory://?capacity={capacity}"
         self.chunk_bytes = min(capacity, chunk_bytes or MAX_CHUNK)  # the largest chunk and value
-        # New chunks take this much (or one slot, if larger): a small arena still holds several classes.
-        self._grain = min(self.chunk_bytes, max(PAGE, 1 << max(0, (capacity // 16).bit_length() - 1)))
         self._lock = threading.Lock()
+        self._arena = Arena(capacity, self.chunk_bytes, self.pinned)  # the slots (under the lock)
         self._index: dict[bytes, tuple[int, int]] = {}  # key -> (slot, nbytes)
         self._policy = make_policy(evict, capacity)  # the order of the index's keys, for eviction
-        self._chunks: dict[int, _Chunk] = {}
-        self._open: dict[int, dict[int, _Chunk]] = {}  # slot bytes -> chunks with a free or uncarved slot
-        self._pool: dict[int, _Chunk] = {}  # chunks with no slot in use
         self._holds: dict[int, int] = {}  # slot -> holders (readers, leases)
-        self._starved: set[int] = set()  # classes `_take` found no slot for since the last free
         self._orphans: set[int] = set()  # held slots whose key left the index: freed at the last release
         self._leases: dict[int, int] = {}  # lease id -> slot
-        self._chunk_ids = itertools.count()
-        self._reserved = self._used = self._pending = 0  # arena bytes, value bytes, slots being filled
-        self._limit = capacity  # lowered if the host refuses memory
+        self._used = self._pending = 0  # value bytes, slots being filled
         self._closed = False
         self._owners: set[str] = set()  # namespaces that claimed this store (see Store.clear)
         if self.pinned if reserve is None else reserve:
-            self._reserve_all()
-
-    def _reserve_all(self) -> None:
-        """Allocate the whole capacity now, as pooled chunks (a cold arena page-locks at ~1 GB/s)."""
-        with self._lock:
-            while self._limit - self._reserved >= PAGE:
-                size = min(self._grain, self._limit - self._reserved) // PAGE * PAGE
-                try:
-                    array = self._allocate(size)
-                except (RuntimeError, MemoryError) as exc:
-                    log.warning(
-                        "memory store: reserved %d of %d bytes at open (%s); the arena stays there",
-                        self._reserved,
-                        self.capacity,
-                        exc,
-                    )
-                    self._limit = self._reserved
-                    return
-                chunk = _Chunk(next(self._chunk_ids), array)
-                self._chunks[chunk.id] = chunk
-                self._pool[chunk.id] = chunk
-                self._reserved += size
+            with self._lock:
+                self._arena.reserve_all()
 
     @property
     def max_entry_bytes(self) -> int:
         return self.chunk_bytes
 
-    def _allocate(self, nbytes: int) -> np.ndarray:
-        if self.pinned:
-            import torch
-
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
-        return np.empty(nbytes, dtype=np.uint8)
-
-    # -- slots (all under the lock) ----------------------------------------------------------------
-    def _class(self, nbytes: int) -> int:
-        return min(max(PAGE, -(-nbytes // PAGE) * PAGE), self.chunk_bytes)
-
-    def _view(self, slot: int, nbytes: int) -> tuple[np.ndarray, int]:
-        """A slot's first `nbytes` and its host address."""
-        chunk = self._chunks[slot >> _SHIFT]
-        start = (slot & _SLOT_MASK) * chunk.slot_bytes
-        return chunk.array[start : start + nbytes], chunk.address + start
-
-    def _take(self, cls: int) -> int | None:
-        """A slot of class `cls` without evicting: a free one, a new chunk's, or None."""
-        chunk = next(iter(self._open.get(cls, {}).values()), None)
-        if chunk is None:
-            chunk = self._free_chunk(cls)
-            if chunk is None:
-                return None
-            chunk.slot_bytes = cls
-            self._open.setdefault(cls, {})[chunk.id] = chunk
-        if chunk.free:
-            # Oldest freed first: LRU eviction frees slots in the order they were filled, so a batch
-            # reuses them in address order and a device copies runs of adjacent slots in one DMA.
-            index = chunk.free.popleft()
-        else:
-            index, chunk.carved = chunk.carved, chunk.carved + 1
-        chunk.used += 1
-        if not chunk.free and chunk.carved == chunk.size // cls:
-            del self._open[cls][chunk.id]
-        return chunk.id << _SHIFT | index
-
-    def _free_chunk(self, cls: int) -> _Chunk | None:
-        """A chunk for slots of `cls`: from the pool, else newly allocated within the capacity."""
-        fits = [c for c in self._pool.values() if c.size >= cls]
-        if fits:
-            return self._pool.pop(min(fits, key=lambda c: c.size).id)
-        room = self._limit - self._reserved
-        if room < cls and room + sum(c.size for c in self._pool.values()) >= cls:
-            for chunk in sorted(self._pool.values(), key=lambda c: c.size):  # too small: give them back
-                del self._pool[chunk.id], self._chunks[chunk.id]
-                self._reserved -= chunk.size
-                room += chunk.size
-                if room >= cls:
-                    break
-        if room < cls:
-            return None
-        size = cls * max(1, min(self._grain, room) // cls)
-        try:
-            array = self._allocate(size)
-        except (RuntimeError, MemoryError) as exc:  # out of (pinned) host memory: stop growing
-            log.warning(
-                "memory store: cannot allocate a %d-byte chunk (%s); the arena stays at %d bytes",
-                size,
-                exc,
-                self._reserved,
-            )
-            self._limit = self._reserved
-            return None
-        chunk = _Chunk(next(self._chunk_ids), array)
-        self._chunks[chunk.id] = chunk
-        self._reserved += size
-        return chunk
-
-    def _free(self, slot: int) -> None:
-        self._starved.clear()  # a slot, perhaps a chunk, is free again: every class may find one
-        chunk = self._chunks[slot >> _SHIFT]
-        chunk.used -= 1
-        if chunk.used == 0:  # all slots free: back to the pool, for any class
-            self._open[chunk.slot_bytes].pop(chunk.id, None)
-            chunk.slot_bytes, chunk.carved, chunk.free = 0, 0, deque()
-            self._pool[chunk.id] = chunk
-        else:
-            chunk.free.append(slot & ((1 << _SHIFT) - 1))
-            self._open[chunk.slot_bytes][chunk.id] = chunk
-
+    # -- slots and the index (all under the lock) -------------------------------------------------
     def _unindex(self, key: bytes, reuse: int = 0) -> tuple[int, int | None]:
         """Drop `key` from the index; its slot is freed now, or by its last holder. Returns its bytes,
         and its slot itself where `reuse` names the slot's class and nobody holds it: handed straight
@@ -229,19 +109,18 @@ class MemoryStore(Store):
         self._used -= nbytes
         if slot in self._holds:
             self._orphans.add(slot)
-        elif reuse and self._chunks[slot >> _SHIFT].slot_bytes == reuse:
+        elif reuse and self._arena.slot_class(slot) == reuse:
             return nbytes, slot
         else:
-            self._free(slot)
+            self._arena.free(slot)
         return nbytes, None
 
     def _reserve(self, key: bytes, cls: int, batch: dict[int, int], evicted: list[tuple[bytes, int]]) -> int | None:
         """A slot for a new value of `key`, making room: the key's old value first, then the least
         policy's victim among unheld entries, then this batch's own earliest reservation. None: all held.
-        A class found full once in a batch (`_starved`) is not searched again until a slot is freed."""
-        slot = None if cls in self._starved else self._take(cls)
-        if slot is None:
-            self._starved.add(cls)
+        A class found full (starved) is not searched again until a slot is freed."""
+        arena = self._arena
+        slot = arena.take(cls)
         while slot is None:
             old = self._index.get(key)
             if old is not None and old[0] not in self._holds:
@@ -250,17 +129,43 @@ class MemoryStore(Store):
                 taken, nbytes = self._index.pop(victim)
                 self._used -= nbytes
                 evicted.append((victim, nbytes))  # counted once per batch
-                if self._chunks[taken >> _SHIFT].slot_bytes == cls:
+                if arena.slot_class(taken) == cls:
                     slot = taken  # straight to the new value: not freed and taken again
                 else:
-                    self._free(taken)
+                    arena.free(taken)
             elif batch:
-                self._free(batch.pop(next(iter(batch))))
+                arena.free(batch.pop(next(iter(batch))))
             else:
                 return None
-            if slot is None and (slot := self._take(cls)) is not None:
-                self._starved.discard(cls)
+            if slot is None:
+                slot = arena.take(cls)
         return slot
+
+    def _reserve_run(self, items: list[tuple[bytes, int]], batch: dict[int, int], evicted: list) -> int:
+        """The hot path of `_reserve_slots`: a batch of one size class whose keys are all new takes its
+        slots a chunk at a time and, in a full arena, evicts its LRU victims at once, where those are
+        unheld and of the class (the slots `_reserve` would hand out, one by one). Returns how many
+        leading items have a slot; the rest take the per-value path."""
+        sizes = {n for _, n in items}
+        keys = [key for key, _ in items]
+        if len(sizes) != 1 or len(set(keys)) != len(keys) or not self._index.keys().isdisjoint(keys):
+            return 0
+        cls = self._arena.class_of(sizes.pop())
+        slots = self._arena.take_many(cls, len(keys))
+        short = len(keys) - len(slots)
+        victims = self._policy.oldest(short) if short else None
+        if victims is not None and len(victims) == short:
+            entries = list(map(self._index.__getitem__, victims))
+            taken = [slot for slot, _ in entries]
+            if self._holds.keys().isdisjoint(taken) and all(self._arena.slot_class(t) == cls for t in taken):
+                self._policy.drop_oldest(short)
+                for victim in victims:
+                    del self._index[victim]
+                self._used -= sum(n for _, n in entries)
+                evicted += zip(victims, (n for _, n in entries))
+                slots += taken
+        batch.update(enumerate(slots))
+        return len(slots)
 
     def _unheld(self, key: bytes) -> bool:
         """May `key` be evicted: nobody holds its slot."""
@@ -275,32 +180,44 @@ class MemoryStore(Store):
                 del self._holds[slot]
                 if slot in self._orphans:
                     self._orphans.remove(slot)
-                    self._free(slot)
+                    self._arena.free(slot)
 
     def _hold(self, keys: Sequence[bytes], touch: bool, lease: bool) -> list[Lease | None]:
         """Hold each present value's slot (None for a miss): a lease each (`lease`, until `release`),
         or the slot itself in `Lease.slot` (a reader's hold, let go by `_release_holds`). One pass
         under the lock: a batch of small pages pays a few dict operations per page."""
         held: list[Lease | None] = []
-        append, index, holds, chunks, leases = held.append, self._index, self._holds, self._chunks, self._leases
-        mark = self._policy.touch if touch else None
+        append, index, holds, chunks, leases = held.append, self._index, self._holds, self._arena.chunks, self._leases
         with self._lock:
-            for key in keys:
-                entry = index.get(key)
-                if entry is None:
-                    append(None)
-                    continue
-                slot, nbytes = entry
-                if mark is not None:
-                    mark(key)
-                holds[slot] = holds.get(slot, 0) + 1
-                handle = slot
+            entries = list(map(index.get, keys))
+            found = cast(list[tuple[int, int]], entries) if None not in entries else []
+            slots = [slot for slot, _ in found]
+            if len(set(slots)) == len(keys) and holds.keys().isdisjoint(slots):  # present, distinct, unheld
+                if touch:
+                    self._policy.touch_many(keys)
+                holds.update(dict.fromkeys(slots, 1))
+                handles = list(itertools.islice(_lease_ids, len(keys))) if lease else slots
                 if lease:
-                    handle = next(_lease_ids)
-                    leases[handle] = slot
-                chunk = chunks[slot >> _SHIFT]  # `_view`, inlined: this loop runs once per page
-                start = (slot & _SLOT_MASK) * chunk.slot_bytes
-                append(Lease(key, chunk.array[start : start + nbytes], handle, chunk.address + start))
+                    leases.update(zip(handles, slots))
+                for key, (slot, nbytes), handle in zip(keys, found, handles):
+                    chunk = chunks[slot >> SHIFT]  # `Arena.view`, inlined: this loop runs once per page
+                    start = (slot & SLOT_MASK) * chunk.slot_bytes
+                    append(Lease(key, chunk.array[start : start + nbytes], handle, chunk.address + start))
+            else:
+                for key, entry in zip(keys, entries):
+                    if entry is None:
+                        append(None)
+                        continue
+                    slot, nbytes = entry
+                    if touch:
+                        self._policy.touch(key)
+                    holds[slot] = holds.get(slot, 0) + 1
+                    handle = slot
+                    if lease:
+                        handle = next(_lease_ids)
+                        leases[handle] = slot
+                    view, address = self._arena.view(slot, nbytes)
+                    append(Lease(key, view, handle, address))
         if touch:
             hits = [h.view.nbytes for h in held if h is not None]
             self._count(hits=len(hits), misses=len(keys) - len(hits), get_bytes=sum(hits))
@@ -313,16 +230,22 @@ class MemoryStore(Store):
         dests: list[np.ndarray | None] = [None] * len(items)
         addresses = [0] * len(items)
         evicted: list[tuple[bytes, int]] = []  # (key, bytes)
-        classes = {n: self._class(n) for n in {n for _, n in items}}  # a layout has few page sizes
+        classes = {n: self._arena.class_of(n) for n in {n for _, n in items}}  # a layout has few page sizes
         with self._lock:
-            for i, (key, nbytes) in enumerate(items):
+            start = self._reserve_run(items, batch, evicted)
+            latest.update((items[i][0], i) for i in range(start))
+            for i in range(start, len(items)):
+                key, nbytes = items[i]
                 if key in latest and latest[key] in batch:  # a later value of the key replaces it
-                    self._free(batch.pop(latest[key]))
+                    self._arena.free(batch.pop(latest[key]))
                 slot = self._reserve(key, classes[nbytes], batch, evicted)
                 if slot is not None:
                     batch[i], latest[key] = slot, i
-            for i, slot in batch.items():
-                dests[i], addresses[i] = self._view(slot, items[i][1])
+            chunks = self._arena.chunks
+            for i, slot in batch.items():  # `Arena.view`, inlined: this loop runs once per page
+                chunk = chunks[slot >> SHIFT]
+                at = (slot & SLOT_MASK) * chunk.slot_bytes
+                dests[i], addresses[i] = chunk.array[at : at + items[i][1]], chunk.address + at
             self._pending += len(batch)
         if evicted:
             self._count(evictions=len(evicted), evicted_bytes=sum(n for _, n in evicted))
@@ -334,13 +257,21 @@ class MemoryStore(Store):
         """Index the slots `filled` marks (replacing older values of their keys), free the others."""
         items, batch = reservation.items, cast(dict[int, int], reservation.handle)  # ours: item -> slot
         written = [False] * len(items)
+        keys = [key for key, _ in items]
         index, insert, used = self._index, self._policy.insert, 0
         with self._lock:
             self._pending -= len(batch)
+            if len(batch) == len(items) and all(filled) and index.keys().isdisjoint(keys):  # all new: in bulk
+                sizes = [n for _, n in items]
+                index.update(zip(keys, zip(batch.values(), sizes)))  # batch: item order (see _reserve_slots)
+                self._policy.insert_many(keys, sizes)
+                self._used += sum(sizes)
+                written = [True] * len(items)
+                batch = {}
             for i, slot in batch.items():
                 key, nbytes = items[i]
                 if not filled[i]:
-                    self._free(slot)
+                    self._arena.free(slot)
                     continue
                 if key in index:
                     self._unindex(key)
@@ -371,14 +302,13 @@ class MemoryStore(Store):
         that one), invisible until `publish`; `write_many` is reserve, fill, publish."""
         keys = [check_key(key, self.max_key_bytes, self.url) for key, _ in items]
         sizes = [int(n) for _, n in items]
-        for n in sizes:
+        for n in {n for n in sizes if n < 0 or n > self.max_entry_bytes}:  # a layout has few page sizes
             if n < 0:
                 raise ValueError(f"a value size must not be negative, got {n}")
-            if n > self.max_entry_bytes:
-                raise EntryTooLargeError(
-                    f"a {n}-byte value cannot fit in {self.url}: it takes entries up to {self.max_entry_bytes} "
-                    f"bytes (capacity {self.capacity} bytes); raise the capacity"
-                )
+            raise EntryTooLargeError(
+                f"a {n}-byte value cannot fit in {self.url}: it takes entries up to {self.max_entry_bytes} "
+                f"bytes (capacity {self.capacity} bytes); raise the capacity"
+            )
         return self._reserve_slots(list(zip(keys, sizes)))
 
     # -- reads -----------------------------------------------------------------------------------
@@ -440,13 +370,13 @@ class MemoryStore(Store):
 
     def _usage(self) -> dict[str, int]:
         with self._lock:
-            free = sum(c.size // c.slot_bytes - c.used for c in self._chunks.values() if c.slot_bytes)
+            free = self._arena.slots_free()
             return {
                 "entries": len(self._index),
                 "bytes_used": self._used,
                 "pinned": int(self.pinned),
-                "arena_bytes": self._reserved,
-                "chunks": len(self._chunks),
+                "arena_bytes": self._arena.reserved,
+                "chunks": len(self._arena.chunks),
                 "slots_free": free,
                 "held": len(self._holds) + self._pending,
             }
@@ -454,10 +384,10 @@ class MemoryStore(Store):
     def close(self) -> None:
         """Drop every value and chunk (views still held elsewhere keep their own memory alive)."""
         with self._lock:
-            for table in (self._index, self._chunks, self._open, self._pool, self._holds, self._leases):
+            for table in (self._index, self._holds, self._leases):
                 table.clear()
             self._orphans.clear()
-            self._starved.clear()
+            self._arena.clear()
             self._policy.clear()
-            self._reserved = self._used = 0
+            self._used = 0
             self._closed = True

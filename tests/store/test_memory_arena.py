@@ -2,6 +2,7 @@
 moves memory between classes, held slots (reads, leases, in-flight writes) that nothing overwrites; the
 invariants again with each eviction policy (evict=lru|s3fifo)."""
 
+import random
 import threading
 import time
 from collections import Counter
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from kvoffload.store import EntryTooLargeError
-from kvoffload.store.memory import PAGE, MemoryStore
+from kvoffload.store.arena import PAGE
+from kvoffload.store.memory import MemoryStore
 
 KiB = 1024
 
@@ -25,17 +27,17 @@ def audit(store: MemoryStore) -> None:
     stats = store.stats()
     assert stats["arena_bytes"] <= store.capacity
     assert stats["bytes_used"] <= stats["arena_bytes"]
-    assert sum(c.size for c in store._chunks.values()) == stats["arena_bytes"]
+    assert sum(c.size for c in store._arena.chunks.values()) == stats["arena_bytes"]
     assert stats["bytes_used"] == sum(n for _, n in store._index.values())
     slots = [slot for slot, _ in store._index.values()] + list(store._orphans)
     assert len(set(slots)) == len(slots), "two values share a slot"
     per_chunk = Counter(slot >> 32 for slot in slots)
-    for cid, chunk in store._chunks.items():
+    for cid, chunk in store._arena.chunks.items():
         assert chunk.used == per_chunk[cid]
-        assert (chunk.used == 0) == (cid in store._pool)
+        assert (chunk.used == 0) == (cid in store._arena.pool)
         assert chunk.carved <= (chunk.size // chunk.slot_bytes if chunk.slot_bytes else 0)
     for slot, n in store._index.values():
-        assert n <= store._chunks[slot >> 32].slot_bytes
+        assert n <= store._arena.chunks[slot >> 32].slot_bytes
     policy = store._policy  # the eviction policy orders exactly the indexed keys
     tracked = policy._order if store.evict == "lru" else {**policy._small, **policy._main}
     assert set(tracked) == set(store._index)
@@ -119,8 +121,8 @@ def test_eviction_is_least_recently_used_and_moves_memory_between_classes():
     assert store.stats()["arena_bytes"] == 1 << 20
     assert store.get(b"a000") == small[b"a000"]  # now the most recent
     allocations = []
-    allocate = store._allocate
-    store._allocate = lambda n: allocations.append(n) or allocate(n)
+    allocate = store._arena.allocate
+    store._arena.allocate = lambda n: allocations.append(n) or allocate(n)
     large = {b"b%d" % i: _bytes(1000 + i, 60000) for i in range(4)}  # another class: needs whole chunks
     assert store.put_many(list(large.items())) == [True] * 4
     assert allocations == []  # the emptied chunks were taken over, not reallocated
@@ -394,3 +396,40 @@ def test_slots_are_pinned_for_device_copies():
     assert held.is_pinned() and torch.equal(held.to("cuda", non_blocking=True), page)
     store.release([lease])
     assert store.stats()["arena_bytes"] % PAGE == 0 and store.stats()["chunks"] == 1
+
+
+@pytest.mark.parametrize("evict", ["lru", "s3fifo"])
+def test_the_bulk_paths_hand_out_and_evict_what_the_per_value_path_does(evict):
+    """Batches of small pages take the bulk paths (`_reserve_run`, bulk publish and leases); a store
+    forced onto the per-value path, fed the same random operations (one and several sizes, repeated
+    keys, stored keys, unfilled slots, held leases, deletes), must end with the same slots, order,
+    bytes and counters."""
+    rng = random.Random(11)
+    fast = MemoryStore(64 * PAGE, pinned=False, chunk_bytes=16 * PAGE, evict=evict)
+    slow = MemoryStore(64 * PAGE, pinned=False, chunk_bytes=16 * PAGE, evict=evict)
+    slow._reserve_run = lambda items, batch, evicted: 0  # type: ignore[method-assign]
+    held: dict[int, list] = {id(fast): [], id(slow): []}
+    names = [b"k%d" % i for i in range(120)]
+    bulk = 0
+    for step in range(400):
+        keys = [rng.choice(names) for _ in range(rng.randint(1, 12))]
+        if rng.random() < 0.6:
+            keys = list(dict.fromkeys(keys))  # all distinct: the bulk path's case
+        sizes = [PAGE] * len(keys) if rng.random() < 0.7 else [rng.choice([PAGE, 2 * PAGE]) for _ in keys]
+        action, unfilled = rng.random(), rng.random() < 0.1
+        for store in (fast, slow):
+            if action < 0.6:
+                reservation = store.reserve(list(zip(keys, sizes)))
+                flags = [d is not None for d in reservation.destinations]
+                store.publish(reservation, [False] + flags[1:] if unfilled else flags)
+            elif action < 0.8:
+                held[id(store)].append(store.acquire(keys))
+            elif action < 0.9 and held[id(store)]:
+                store.release(held[id(store)].pop(0))
+            else:
+                store.delete(keys[0])
+        bulk += action < 0.6 and len(set(sizes)) == 1 and len(set(keys)) == len(keys)
+        assert fast._index == slow._index, step
+    assert fast.stats() == slow.stats() and fast.stats()["evictions"] > 50 and bulk > 50
+    if evict == "lru":
+        assert list(fast._policy._order) == list(slow._policy._order)

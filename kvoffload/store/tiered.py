@@ -33,6 +33,7 @@ Locks: this module takes none of its own. In the one order: the write-behind's `
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -78,6 +79,7 @@ class TieredStore(Store):
         behind_bytes: int | None = None,
         behind_age: float = DEFAULT_BEHIND_AGE,
         admit: int = 1,
+        clock: Callable[[], float] = time.monotonic,
     ):
         super().__init__()
         write, self.admit = write_options(write, admit, "tiered store:")  # the one check, URLs' too
@@ -92,6 +94,7 @@ class TieredStore(Store):
             self._count,
             behind_age=behind_age,
             behind_bytes=default_behind_bytes(front.capacity) if behind_bytes is None else behind_bytes,
+            clock=clock,  # the age bound's (a test's own clock)
         )
         self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="kvoffload-read")  # threads start on use
 

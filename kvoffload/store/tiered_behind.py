@@ -72,18 +72,27 @@ def _flush_at_exit() -> None:
 class _Pending:
     lease: Lease
     nbytes: int
-    since: float  # time.monotonic() when queued
+    since: float  # the write-behind's clock() when queued
 
 
 class WriteBehind:
     """The queue of values leased in `front` for `back`, and the thread that writes them; `count` is the
-    store's counter (the behind_* counters are the store's), `url` the store's, for messages."""
+    store's counter (the behind_* counters are the store's), `url` the store's, for messages; `clock` the
+    seconds the age bound is measured in (time.monotonic; a test passes a clock it advances)."""
 
     def __init__(
-        self, front: Store, back: Store, url: str, count: Callable[..., None], *, behind_bytes: int, behind_age: float
+        self,
+        front: Store,
+        back: Store,
+        url: str,
+        count: Callable[..., None],
+        *,
+        behind_bytes: int,
+        behind_age: float,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.front, self.back, self.url, self._count = front, back, url, count
-        self.behind_bytes, self.behind_age = behind_bytes, behind_age
+        self.behind_bytes, self.behind_age, self._clock = behind_bytes, behind_age, clock
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # queue or in-flight batch changed
         self._queue: OrderedDict[bytes, _Pending] = OrderedDict()  # oldest first
@@ -119,7 +128,7 @@ class WriteBehind:
         with self._lock:
             if self.closed:
                 return
-            now = time.monotonic()
+            now = self._clock()
             self._expire(now, expired)  # room for new values before refusing any
             to_release = [p.lease for p in expired]
             for key, lease in zip(keys, self.front.acquire(keys, touch=False)):
@@ -223,7 +232,7 @@ class WriteBehind:
     def _commit_batch(self) -> None:
         expired: list[_Pending] = []
         with self._lock:
-            self._expire(time.monotonic(), expired)
+            self._expire(self._clock(), expired)
             size = 0
             while self._queue and len(self._inflight) < BATCH_ENTRIES:
                 key, pending = next(iter(self._queue.items()))

@@ -16,6 +16,7 @@ from conftest import subprocess_env
 from kvoffload import open_store
 from kvoffload.store import MemoryStore, StoreConfigError, TieredStore
 from kvoffload.store.base import Store
+from support.clock import FakeClock
 
 WAIT = 20.0  # seconds any wait in these tests may take before it is a failure
 
@@ -38,8 +39,18 @@ class GatedStore(Store):
         self.batches: list[list[tuple[bytes, bytes]]] = []
         self.durable: list[bytes] = []  # the keys this tier reported written, in order
         self.fail: str | None = None  # "raise" or "false"
+        self.callers: set[int] = set()  # the threads that called put_many
+        self.inside = 0  # put_many calls not yet returned (a batch being committed)
 
     def put_many(self, items):
+        self.callers.add(threading.get_ident())
+        self.inside += 1
+        try:
+            return self._put_many(items)
+        finally:
+            self.inside -= 1
+
+    def _put_many(self, items):
         self.entered.set()
         if not self.gate.wait(WAIT):
             raise RuntimeError("gate never opened")
@@ -71,6 +82,29 @@ class GatedStore(Store):
         return [k for batch in self.batches for k, _ in batch]
 
 
+def without_the_disk(back: GatedStore, call):
+    """call()'s result, checking it never waits for the back: run in a thread (joined with a WAIT watchdog,
+    so a call that does wait fails rather than hangs), it returns while the back's gate is still closed,
+    without having called the back itself. (No bound in seconds: a slow machine cannot fail it.)"""
+    assert not back.gate.is_set()
+    result, errors = [], []
+
+    def run():
+        try:
+            result.append(call())
+        except BaseException as exc:  # re-raised in the test's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(WAIT)
+    assert not thread.is_alive(), "the call is blocked (on the gated back?)"
+    if errors:
+        raise errors[0]
+    assert not back.gate.is_set() and thread.ident not in back.callers  # the disk never saw this thread
+    return result[0]
+
+
 @pytest.fixture
 def gated():
     """gated(**TieredStore options) -> (store, back): memory in front of a gated memory 'disk'."""
@@ -92,10 +126,8 @@ def test_put_returns_before_the_disk_write(gated):
     store, back = gated()
     back.gate.clear()
     items = [(b"k%d" % i, value_of(b"k%d" % i)) for i in range(20)]
-    start = time.monotonic()
-    assert store.put_many(items) == [True] * 20
-    assert store.put(b"one more", b"x" * 1000)
-    assert time.monotonic() - start < WAIT / 4  # the gate holds the disk for WAIT seconds
+    assert without_the_disk(back, lambda: store.put_many(items)) == [True] * 20
+    assert without_the_disk(back, lambda: store.put(b"one more", b"x" * 1000))
     assert back.entered.wait(WAIT)
     assert [store.get(k) for k, _ in items] == [v for _, v in items]  # served by memory meanwhile
     assert not any(back.inner.contains_many([k for k, _ in items]))
@@ -143,10 +175,8 @@ def test_flush_and_close_leave_lmdb_byte_exact(tmp_path):
 def test_back_pressure_drops_exactly_and_never_blocks(gated):
     store, back = gated(behind_bytes=10_000)
     back.gate.clear()
-    start = time.monotonic()
-    for i in range(40):
-        assert store.put(b"p%d" % i, bytes([i]) * 1000)  # held in memory either way
-    assert time.monotonic() - start < WAIT / 4
+    puts = without_the_disk(back, lambda: [store.put(b"p%d" % i, bytes([i]) * 1000) for i in range(40)])
+    assert puts == [True] * 40  # held in memory either way
     stats = store.stats()
     assert stats["behind_queued"] == 10 and stats["behind_queued_bytes"] == 10_000
     assert stats["behind_dropped"] == 30 and stats["behind_dropped_bytes"] == 30_000
@@ -158,27 +188,31 @@ def test_back_pressure_drops_exactly_and_never_blocks(gated):
 
 
 def test_age_bound(gated):
-    store, back = gated(behind_age=0.5)
+    clock = FakeClock()  # the age bound's seconds: advanced here, never slept through
+    store, back = gated(behind_age=0.5, clock=clock)
     back.gate.clear()
     assert store.put(b"first", b"1")
     assert back.entered.wait(WAIT)  # the writer holds "first", blocked in the back
     assert store.put_many([(b"old1", b"2"), (b"old2", b"3")]) == [True, True]
-    time.sleep(0.8)
+    clock.advance(0.5)
+    assert store.put(b"fresh0", b"0")  # at the bound: not too old yet
+    assert store.stats()["behind_dropped"] == 0
+    clock.advance(0.3)
     assert store.put(b"fresh", b"4")  # queueing drops what waited too long
     assert store.stats()["behind_dropped"] == 2 and store.stats()["behind_dropped_bytes"] == 2
     back.gate.set()
     assert store.flush(WAIT)
-    assert back.written() == [b"first", b"fresh"]
+    assert back.written() == [b"first", b"fresh0", b"fresh"]
     # and the writer drops what waited too long by the time it gets to it
     back.gate.clear()
     back.entered.clear()
     assert store.put(b"second", b"5")
     assert back.entered.wait(WAIT)
     assert store.put(b"late", b"6")
-    time.sleep(0.8)
+    clock.advance(0.8)
     back.gate.set()
     assert store.flush(WAIT)
-    assert back.written() == [b"first", b"fresh", b"second"]
+    assert back.written() == [b"first", b"fresh0", b"fresh", b"second"]
     assert store.stats()["behind_dropped"] == 3 and store.get(b"late") == b"6"  # kept in memory
 
 
@@ -204,9 +238,9 @@ def test_delete_is_not_resurrected(gated):
     assert store.put(b"inflight", b"a" * 100)
     assert back.entered.wait(WAIT)
     assert store.put(b"queued", b"b" * 100)
-    start = time.monotonic()
-    assert store.delete(b"queued")  # only queued: taken out of the queue, no wait for the disk
-    assert time.monotonic() - start < WAIT / 4
+    # only queued: taken out of the queue, no wait for the disk (still committing "inflight" meanwhile)
+    assert without_the_disk(back, lambda: store.delete(b"queued"))
+    assert back.inside == 1 and back.batches == []
     results = []
     deleter = threading.Thread(target=lambda: results.append(store.delete(b"inflight")), daemon=True)
     deleter.start()

@@ -15,7 +15,8 @@ at start-up (unbounded growth is an operator error). A wrong password or an unre
 clear start-up error; at run time a node down, a timeout or a resharding in progress is a counted miss
 and a failed write is dropped and counted: never a crash, never wrong bytes. `timeout=` bounds both
 connecting and each reply, and redis-py's retries are off: a dead or hung node costs one timeout, then
-it is skipped (standalone server or cluster node) for NODE_RETRY_SECONDS, its keys counted misses."""
+it is skipped (standalone server or cluster node) for NODE_RETRY_SECONDS, its keys counted misses. The
+back-off and the slot-map reload's pace are measured by `clock` (time.monotonic; a test passes its own)."""
 
 from __future__ import annotations
 
@@ -49,8 +50,16 @@ def _redis():
 class RedisStore(Store):
     entry_overhead = entry.HEADER_BYTES
 
-    def __init__(self, spec: RedisSpec | str, fingerprint: bytes | str | None = None, url: str | None = None):
+    def __init__(
+        self,
+        spec: RedisSpec | str,
+        fingerprint: bytes | str | None = None,
+        url: str | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         super().__init__()
+        self._clock = clock
         if isinstance(spec, str):
             parsed, url = parse_store_url(spec), spec
             if not isinstance(parsed, RedisSpec):
@@ -61,7 +70,7 @@ class RedisStore(Store):
         self.fingerprint = entry.normalize_fingerprint(fingerprint)
         self._count(checksum_failures=0, read_errors=0, write_errors=0)
         self._down_until: dict[str, float] = {}
-        self._refreshed = 0.0
+        self._refreshed = float("-inf")  # never reloaded yet
         redis = _redis()
         self._errors = (
             redis.exceptions.ConnectionError,
@@ -160,7 +169,7 @@ class RedisStore(Store):
             try:
                 results.append(fn(self.client.get_redis_connection(node) if node else self.client))
             except self._errors:
-                self._down_until[node.name if node else ""] = time.monotonic() + NODE_RETRY_SECONDS
+                self._down_until[node.name if node else ""] = self._clock() + NODE_RETRY_SECONDS
                 raise
         return results
 
@@ -168,7 +177,7 @@ class RedisStore(Store):
         """(node name, its client, indices of `keys`) per node owning some of them, how many keys are on
         a node that failed within the last seconds (skipped: misses instead of a timeout per call; the
         standalone server is the node "") and how many are in slots no node covers."""
-        now = time.monotonic()
+        now = self._clock()
         if not self.cluster:
             if self._down_until.get("", 0.0) > now:
                 return [], len(keys), 0
@@ -212,7 +221,7 @@ class RedisStore(Store):
                     "misses" if what == "read_errors" else "writes dropped",
                 )
                 self._count(**{what: len(indices)})
-                self._down_until[name] = time.monotonic() + NODE_RETRY_SECONDS
+                self._down_until[name] = self._clock() + NODE_RETRY_SECONDS
                 stale = True
                 continue
             for i, answer in zip(indices, answers):
@@ -228,9 +237,10 @@ class RedisStore(Store):
     def _refresh_slots(self) -> None:
         """Reload the slot map (after a reshard or a failover); best effort, at most once a second. The
         node that failed last is asked last: a hung one would cost a timeout."""
-        if time.monotonic() - self._refreshed < 1.0:
+        now = self._clock()
+        if now - self._refreshed < 1.0:
             return
-        self._refreshed = time.monotonic()
+        self._refreshed = now
         last = max(self._down_until, key=lambda name: self._down_until[name], default=None)
         try:
             self.client.nodes_manager.initialize(last_failed_node_name=last)
@@ -308,7 +318,8 @@ class RedisStore(Store):
 
     def _usage(self) -> dict[str, int]:
         """Server-wide figures (summed over a cluster's primaries): Redis keeps no per-prefix totals."""
-        if any(until > time.monotonic() for until in self._down_until.values()):
+        now = self._clock()
+        if any(until > now for until in self._down_until.values()):
             return {"entries": -1, "bytes_used": -1}  # a node is down: no timeout for stats either
         try:
             entries = sum(self._per_node(lambda c: c.dbsize()))

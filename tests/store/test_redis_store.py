@@ -1,16 +1,18 @@
 """The Redis tier against real redis-server processes on 127.0.0.1: standalone, ACL users, a 3-node
 Cluster (and one node killed), corrupt values, timeouts, and the tiers in front of it."""
 
+import collections
 import logging
 import os
 import signal
-import time
 
 import pytest
 
 from kvoffload.bench.redis_server import Server
 from kvoffload.store import StoreConfigError, open_store
 from kvoffload.store import redis_store
+from kvoffload.store.redis_store import NODE_RETRY_SECONDS, RedisStore
+from support.clock import FakeClock
 from support.redis_cluster import start_cluster
 
 FP = b"f" * 16
@@ -53,10 +55,48 @@ def _values(n=20, size=5000):
     return [(f"page-{i}".encode(), os.urandom(size)) for i in range(n)]
 
 
-def _timed(call):
-    start = time.monotonic()
-    result = call()
-    return result, time.monotonic() - start
+class Network:
+    """What redis-py sent where: per (what, port), the connection attempts ("connect": a socket opened)
+    and the commands sent ("send": one per command or pipeline, a retry sent again), every client
+    included (pipelines, stats, the cluster's slot-map reloads). A skipped node gets neither; a hung
+    one costs a timeout per command sent to it."""
+
+    def __init__(self):
+        self.seen: collections.Counter = collections.Counter()
+
+    def connects(self, server) -> int:
+        return self.seen["connect", server.port]
+
+    def sends(self, server) -> int:
+        return self.seen["send", server.port]
+
+    def touched(self, server) -> int:
+        return self.connects(server) + self.sends(server)
+
+    def clear(self) -> None:
+        self.seen.clear()
+
+
+@pytest.fixture
+def network(monkeypatch):
+    """A spy on redis-py's connections (their public send_packed_command / connect_check_health)."""
+    from redis.connection import AbstractConnection
+
+    spy = Network()
+    send, connect = AbstractConnection.send_packed_command, AbstractConnection.connect_check_health
+
+    def counting_send(self, *args, **kwargs):
+        spy.seen["send", self.port] += 1
+        return send(self, *args, **kwargs)
+
+    def counting_connect(self, *args, **kwargs):
+        if not self._sock:  # already connected: nothing goes out
+            spy.seen["connect", self.port] += 1
+        return connect(self, *args, **kwargs)
+
+    monkeypatch.setattr(AbstractConnection, "send_packed_command", counting_send)
+    monkeypatch.setattr(AbstractConnection, "connect_check_health", counting_connect)
+    return spy
 
 
 def test_round_trip_byte_exact_with_header(server):
@@ -192,50 +232,63 @@ def _outage_calls(store, items):
             lambda: store.contains_many(keys), lambda: [store.delete(keys[0])]]
 
 
-def test_a_hung_server_costs_one_timeout_then_is_skipped_until_it_is_back(server, monkeypatch, caplog):
+def test_a_hung_server_costs_one_timeout_then_is_skipped_until_it_is_back(server, network, caplog):
     """SIGSTOP: the kernel accepts connections, no reply comes. redis-py's default retries made every
-    call take 15 s with timeout=1; now one timeout, then misses without touching the network."""
-    monkeypatch.setattr(redis_store, "NODE_RETRY_SECONDS", 3.0)
-    store = open_store(f"redis://{server.address}/0?namespace=h&timeout=1", fingerprint=FP)
+    call take 15 s with timeout=1 (a command sent again per retry); now one command sent, one timeout,
+    then misses without touching the network until the back-off (the store's clock, advanced here) ends."""
+    clock = FakeClock()
+    store = RedisStore(f"redis://{server.address}/0?namespace=h&timeout=1", fingerprint=FP, clock=clock)
     items = _values(3)
     assert all(store.put_many(items))
     os.kill(server.proc.pid, signal.SIGSTOP)
     try:
         with caplog.at_level(logging.WARNING, logger="kvoffload.store.redis_store"):
-            served, first = _timed(lambda: store.read_many([k for k, _ in items], lambda i, v: None))
-            assert served == [False] * 3 and first < 4
+            network.clear()
+            served = store.read_many([k for k, _ in items], lambda i, v: None)
+            assert served == [False] * 3 and network.sends(server) == 1  # one attempt: one timeout, no retry
+            network.clear()
             for call in _outage_calls(store, items):
-                result, took = _timed(call)
-                assert not any(result) and took < 0.5
-            stats, took = _timed(store.stats)
-            assert stats["entries"] == -1 and took < 0.5
+                assert not any(call())
+            stats = store.stats()
+            assert stats["entries"] == -1
+            assert network.touched(server) == 0  # skipped: no connection, no command, no timeout
+            clock.advance(NODE_RETRY_SECONDS / 2)  # within the back-off: still skipped
+            assert store.contains_many([items[0][0]]) == [False] and network.touched(server) == 0
         assert caplog.text.count("skipped for") == 1  # once per back-off, not once per call
         assert stats["read_errors"] == 9 and stats["dropped_puts"] == 3 and stats["write_errors"] == 4
-        start = time.monotonic()
+        network.clear()
         with pytest.raises(StoreConfigError, match="cannot reach Redis"):  # start-up: one timeout too
             open_store(f"redis://{server.address}/0?timeout=1")
-        assert time.monotonic() - start < 4
+        assert network.connects(server) == 1 and network.sends(server) == 1  # one attempt, no retry
     finally:
         os.kill(server.proc.pid, signal.SIGCONT)
-    time.sleep(3.1)  # the back-off is over: the next call tries the server again
+    clock.advance(NODE_RETRY_SECONDS / 2 + 0.1)  # the back-off is over: the next call tries the server again
+    network.clear()
     assert all(store.put_many(items)) and store.get(items[0][0]) == items[0][1]
+    assert network.sends(server) >= 2
 
 
-def test_a_dead_server_is_skipped_after_one_failed_call(server, monkeypatch, caplog):
-    monkeypatch.setattr(redis_store, "NODE_RETRY_SECONDS", 1.0)
-    store = open_store(f"redis://{server.address}/0?namespace=k&timeout=1", fingerprint=FP)
+def test_a_dead_server_is_skipped_after_one_failed_call(server, network, caplog):
+    clock = FakeClock()
+    store = RedisStore(f"redis://{server.address}/0?namespace=k&timeout=1", fingerprint=FP, clock=clock)
     items = _values(3)
     server.kill()
     with caplog.at_level(logging.WARNING, logger="kvoffload.store.redis_store"):
         for n, call in enumerate(_outage_calls(store, items) * 2):
-            result, took = _timed(call)
-            assert not any(result) and took < (4 if n == 0 else 0.5)
+            network.clear()
+            assert not any(call())
+            # the first call: one connection attempt, refused (no retry); the next: the node is skipped
+            assert network.connects(server) == (1 if n == 0 else 0) and network.sends(server) == 0
         assert caplog.text.count("skipped for") == 1
-        time.sleep(1.1)
+        clock.advance(NODE_RETRY_SECONDS / 2)
+        assert store.contains_many([items[0][0]]) == [False] and network.touched(server) == 0  # still skipped
+        clock.advance(NODE_RETRY_SECONDS / 2 + 0.1)
         assert store.contains_many([items[0][0]]) == [False]
-        assert caplog.text.count("skipped for") == 2  # tried again after the back-off: still dead
+        assert network.connects(server) == 1  # tried again after the back-off: still dead
+        assert caplog.text.count("skipped for") == 2
     stats = store.stats()
-    assert stats["dropped_puts"] == 6 and stats["write_errors"] == 8 and stats["read_errors"] == 13
+    assert stats["dropped_puts"] == 6 and stats["write_errors"] == 8
+    assert stats["read_errors"] == 14  # read_many and contains_many of 3 keys twice each, then 2 of one key
 
 
 def test_timeout_must_be_a_positive_number_and_bounds_connecting_too(server):
@@ -268,22 +321,27 @@ def test_cluster_spreads_keys_and_survives_a_killed_node(cluster):
             assert store.get(keys[i]) == items[i][1]
 
 
-def test_a_hung_cluster_node_costs_one_timeout_then_is_skipped(cluster):
+def test_a_hung_cluster_node_costs_one_timeout_then_is_skipped(cluster, network):
     store = open_store(f"redis+cluster://{cluster[0].address},{cluster[1].address}/?namespace=hc&timeout=1",
                        fingerprint=FP)
     items = _values(30, 1000)
     keys = [k for k, _ in items]
     assert all(store.put_many(items))
-    os.kill(cluster[2].proc.pid, signal.SIGSTOP)
+    hung = cluster[2]
+    os.kill(hung.proc.pid, signal.SIGSTOP)
     try:
-        served, first = _timed(lambda: store.read_many(keys, lambda i, v: None))
-        assert 0 < sum(served) < 30 and first < 4  # one timeout, and the slot map reload skips the node
+        network.clear()
+        served = store.read_many(keys, lambda i, v: None)
+        assert 0 < sum(served) < 30
+        assert network.sends(hung) == 1  # one timeout, and the slot map reload skips the node
         lost = [k for k, ok in zip(keys, served) if not ok]
+        network.clear()
         for call in _outage_calls(store, [(k, b"v") for k in lost]):
-            result, took = _timed(call)
-            assert not any(result) and took < 0.5
-        written, took = _timed(lambda: store.put_many(items))
-        assert sum(written) == sum(served) and took < 0.5  # the other nodes still take writes
+            assert not any(call())
+        assert network.touched(hung) == 0  # skipped: no connection, no command, no timeout
+        written = store.put_many(items)
+        assert sum(written) == sum(served)  # the other nodes still take writes ...
+        assert network.touched(hung) == 0 and all(network.sends(node) > 0 for node in cluster[:2])  # ... not it
         assert store.stats()["dropped_puts"] == 2 * len(lost)
     finally:
         os.kill(cluster[2].proc.pid, signal.SIGCONT)

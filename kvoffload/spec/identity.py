@@ -13,6 +13,7 @@ Hashing every byte of a large checkpoint takes a while (BENCHMARKS.md), so each 
 in the user cache directory, under its real path, size, mtime, ctime and inode: an unchanged file is
 never read twice, a rewritten one is. A file changed in the last `_RACY_S` seconds is hashed but not
 cached: its timestamps could still match a later write in the same clock tick (git's "racy clean").
+"Now" is `clock_ns` (time.time_ns, the clock file times are in; a test passes its own).
 """
 
 from __future__ import annotations
@@ -176,10 +177,15 @@ class _DigestCache:
 
 
 def weights_digest(
-    path: str, *, cache_path: str | None = None, progress: Callable[[str], None] | None = _stderr
+    path: str,
+    *,
+    cache_path: str | None = None,
+    progress: Callable[[str], None] | None = _stderr,
+    clock_ns: Callable[[], int] = time.time_ns,
 ) -> str:
     """BLAKE2b-128 (hex) over every weight file of `path` (sorted by name): its name, size and xxh3-128
-    of its content. Per-file digests are cached (`cache_path`, default in the user cache directory)."""
+    of its content. Per-file digests are cached (`cache_path`, default in the user cache directory), those
+    of files last changed more than `_RACY_S` seconds before `clock_ns()` only."""
     files = weight_files(path)
     if not files:
         raise ModelIdentityError(f"no weight files ({', '.join('*' + p for p in WEIGHT_PATTERNS)}) in {path}")
@@ -190,7 +196,7 @@ def weights_digest(
         with cache.locked(say):
             entries = cache.load()  # another process may have hashed them meanwhile
             digests = _cached(cache, files, entries)
-            _hash_missing(files, digests, entries, say)
+            _hash_missing(files, digests, entries, say, clock_ns)
             cache.save(entries, say)
     total = hashlib.blake2b(digest_size=16, person=b"kvoffload-wts")
     for f in files:
@@ -215,7 +221,13 @@ def _is_digest(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and len(value) == 32 and all(c in "0123456789abcdef" for c in value)
 
 
-def _hash_missing(files: list[str], digests: dict[str, str], entries: dict, say: Callable[[str], None]) -> None:
+def _hash_missing(
+    files: list[str],
+    digests: dict[str, str],
+    entries: dict,
+    say: Callable[[str], None],
+    clock_ns: Callable[[], int] = time.time_ns,
+) -> None:
     """Hash the files not in `digests`, several at once (xxh3 releases the GIL: a sharded checkpoint in
     the page cache hashes at memory speed per core), and cache the settled ones in `entries`."""
     todo = [f for f in files if f not in digests]
@@ -246,7 +258,7 @@ def _hash_missing(files: list[str], digests: dict[str, str], entries: dict, say:
     with ThreadPoolExecutor(threads, thread_name_prefix="kvoffload-hash") as pool:
         for path, before, digest, after in pool.map(one, todo):
             digests[path] = digest
-            settled = time.time_ns() - max(after.st_mtime_ns, after.st_ctime_ns) > _RACY_S * 1e9
+            settled = clock_ns() - max(after.st_mtime_ns, after.st_ctime_ns) > _RACY_S * 1e9
             if _file_key(before) == _file_key(after) and settled:
                 entries[os.path.realpath(path)] = {"key": _file_key(after), "xxh3_128": digest, "used": time.time()}
     if loud:

@@ -7,6 +7,7 @@ import os
 import shutil
 import stat
 import struct
+import threading
 import time
 
 import pytest
@@ -15,20 +16,24 @@ from kvoffload.spec import identity
 from kvoffload.spec.identity import config_digest, weights_digest
 
 PROMPTS = [[(7 * i + 3) % 500 for i in range(40)], [(11 * i + 5) % 500 for i in range(57)]]
+WATCHDOG_S = 30.0
+
+
+def later() -> int:
+    """The digest cache's clock (`clock_ns`) a minute ahead: every file's ctime (now) is past the racy
+    window (_RACY_S), so a digest may be cached without sleeping for its ctime to settle."""
+    return time.time_ns() + 60 * 10**9
 
 
 @pytest.fixture
-def cache_file(tmp_path, monkeypatch):
-    monkeypatch.setattr(identity, "_RACY_S", 0.05)  # "settled" after 50 ms instead of 2 s: see _old
+def cache_file(tmp_path):
     return str(tmp_path / "cache" / "weight-digests.json")
 
 
 def _old(path, seconds=60):
-    """Set a file's mtime into the past, and let its ctime settle (test's _RACY_S), so that its digest
-    may be cached."""
+    """Set a file's mtime into the past (its ctime is now: settled only by `later`'s clock)."""
     st = os.stat(path)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns - int(seconds * 1e9)))
-    time.sleep(0.1)
 
 
 def _edit_config(directory, **changes):
@@ -170,23 +175,24 @@ def test_digest_cache_rereads_only_changed_files(tmp_path, cache_file, monkeypat
         _old(directory / name)
     (directory / "notes.txt").write_bytes(b"not a weight")
     reads = _counting(monkeypatch)
-    first = weights_digest(str(directory), cache_path=cache_file)
+    first = weights_digest(str(directory), cache_path=cache_file, clock_ns=later)
     assert sorted(reads) == ["a.safetensors", "b.bin"]
-    assert weights_digest(str(directory), cache_path=cache_file) == first and len(reads) == 2  # nothing re-read
+    assert weights_digest(str(directory), cache_path=cache_file, clock_ns=later) == first
+    assert len(reads) == 2  # nothing re-read
 
     # Same size, new content, then its old mtime put back: ctime still moved, so it is hashed again.
     path = directory / "a.safetensors"
     st = os.stat(path)
     path.write_bytes(os.urandom(4096))
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-    time.sleep(0.1)
     reads.clear()
-    second = weights_digest(str(directory), cache_path=cache_file)
+    second = weights_digest(str(directory), cache_path=cache_file, clock_ns=later)
     assert reads == ["a.safetensors"] and second != first
 
     _old(path, 120)  # only the mtime changed: re-read, same content, same digest
     reads.clear()
-    assert weights_digest(str(directory), cache_path=cache_file) == second and reads == ["a.safetensors"]
+    assert weights_digest(str(directory), cache_path=cache_file, clock_ns=later) == second
+    assert reads == ["a.safetensors"]
 
 
 def test_digest_cache_file_is_private_json_and_survives_damage(tmp_path, cache_file, monkeypatch):
@@ -194,7 +200,7 @@ def test_digest_cache_file_is_private_json_and_survives_damage(tmp_path, cache_f
     directory.mkdir()
     (directory / "m.safetensors").write_bytes(b"x" * 100)
     _old(directory / "m.safetensors")
-    digest = weights_digest(str(directory), cache_path=cache_file)
+    digest = weights_digest(str(directory), cache_path=cache_file, clock_ns=later)
     assert stat.S_IMODE(os.stat(cache_file).st_mode) == 0o600
     with open(cache_file) as f:
         (entry,) = json.load(f).values()
@@ -205,20 +211,31 @@ def test_digest_cache_file_is_private_json_and_survives_damage(tmp_path, cache_f
         with open(cache_file, "w") as f:
             f.write(damage)
         reads.clear()
-        assert weights_digest(str(directory), cache_path=cache_file) == digest and reads == ["m.safetensors"]
+        assert weights_digest(str(directory), cache_path=cache_file, clock_ns=later) == digest
+        assert reads == ["m.safetensors"]
     assert not [n for n in os.listdir(os.path.dirname(cache_file)) if n.startswith(".weight-digests-")]
 
 
 def test_a_file_written_just_now_is_not_cached(tmp_path, monkeypatch):
-    """Its timestamps could still match a later write in the same clock tick ("racy clean")."""
+    """Its timestamps could still match a later write in the same clock tick ("racy clean"): a file
+    changed within _RACY_S of now (the cache's clock, set here relative to the file's own times) is
+    hashed every time; once the window has passed, cached."""
     cache_file = str(tmp_path / "cache" / "weight-digests.json")
     directory = tmp_path / "w"
     directory.mkdir()
-    (directory / "m.safetensors").write_bytes(b"y" * 100)
+    path = directory / "m.safetensors"
+    path.write_bytes(b"y" * 100)
+    st = os.stat(path)
+    changed = max(st.st_mtime_ns, st.st_ctime_ns)
+    window = int(identity._RACY_S * 1e9)
     reads = _counting(monkeypatch)
-    weights_digest(str(directory), cache_path=cache_file)
-    weights_digest(str(directory), cache_path=cache_file)
-    assert reads == ["m.safetensors"] * 2
+    for now in (changed, changed + window // 2, changed + window):  # still within the window: not cached
+        weights_digest(str(directory), cache_path=cache_file, clock_ns=lambda now=now: now)
+    assert reads == ["m.safetensors"] * 3
+    weights_digest(str(directory), cache_path=cache_file, clock_ns=lambda: changed + window + 1)  # settled
+    assert weights_digest(str(directory), cache_path=cache_file, clock_ns=lambda: changed + window + 1)
+    assert reads == ["m.safetensors"] * 4  # the settled file's digest was cached: not read again
+    assert weights_digest(str(directory), cache_path=cache_file) and reads == ["m.safetensors"] * 4  # real clock
 
 
 def test_no_weight_files_is_a_clear_error(tmp_path):
@@ -232,28 +249,33 @@ def test_no_weight_files_is_a_clear_error(tmp_path):
 
 def test_concurrent_starts_hash_each_file_once(tmp_path, cache_file, monkeypatch):
     """The scheduler and the workers start together: one hashes, the others wait and read its digest."""
-    import threading
-
     directory = tmp_path / "w"
     directory.mkdir()
     (directory / "m.safetensors").write_bytes(os.urandom(1 << 16))
     _old(directory / "m.safetensors")
     reads = []
     real = identity._hash_file
+    waiting = threading.Event()  # another start found the digest cache locked by the one hashing
 
-    def slow(path, *args):
+    def slow(path, *args):  # the hash lasts until another start is waiting for it
         reads.append(path)
-        time.sleep(0.5)
+        assert waiting.wait(WATCHDOG_S), "no other start waited for the one hashing"
         return real(path, *args)
+
+    def say(message):
+        said.append(message)
+        if message == "kvoffload: waiting for another process hashing model weights":
+            waiting.set()
 
     monkeypatch.setattr(identity, "_hash_file", slow)
     said, results = [], []
     threads = [threading.Thread(target=lambda: results.append(
-        weights_digest(str(directory), cache_path=cache_file, progress=said.append))) for _ in range(3)]
+        weights_digest(str(directory), cache_path=cache_file, progress=say, clock_ns=later))) for _ in range(3)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(30)
+        t.join(WATCHDOG_S)
+    assert not any(t.is_alive() for t in threads), "a start is stuck"
     assert len(results) == 3 and len(set(results)) == 1
     assert len(reads) == 1
     assert "kvoffload: waiting for another process hashing model weights" in said

@@ -430,4 +430,6 @@ def test_the_counter_rebuild_of_100k_entries_takes_a_bounded_time(tmp_path, evic
         plain = time.perf_counter() - started
     with capsys.disabled():
         print(f"\nLMDB counter rebuild, {evict}, 100k entries: open {took:.3f} s (without a rebuild {plain:.3f} s)")
+    # a watchdog, not a measured bound: the open takes about 0.1 s (the figure printed above, for
+    # BENCHMARKS.md); 10 s only catches a rebuild gone quadratic or stuck, never a slow machine
     assert took < 10

@@ -4,7 +4,6 @@ start costs ~30 s on 2 cores, so every test starts as few engines as it can."""
 
 import os
 import textwrap
-import time
 
 import lmdb
 import pytest
@@ -324,11 +323,15 @@ def test_kv_events_reach_vllms_zmq_publisher(llama_dir, tmp_path):
     sub = context.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(f"tcp://127.0.0.1:{port}")
+    gone = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)  # the publisher's socket closed (the engine exited)
 
-    def read():  # (topic, seq, msgpack KVEventBatch) per publish
-        while not stop.is_set():
+    def read():  # (topic, seq, msgpack KVEventBatch) per publish, until `stop` and nothing is left to read
+        while True:
+            last = stop.is_set()  # set only once every batch is queued here: a poll after it finds them all
             if sub.poll(100):
                 batches.append(decoder.decode(sub.recv_multipart()[2]))
+            elif last:
+                return
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
@@ -337,10 +340,15 @@ def test_kv_events_reach_vllms_zmq_publisher(llama_dir, tmp_path):
             llama_dir, connector(store_url("lmdb", tmp_path)), [[PROMPT_A, PROMPT_B]] * 2, dtype="float32",
             block_size=BLOCK, engine_kwargs={"kv_events_config": {
                 "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}})
-        time.sleep(1)  # the last batches in flight
+        # The engine has exited: the disconnect comes after the last batch on the same TCP stream, so once
+        # it is seen every batch is queued in `sub`; the reader drains them and stops (no sleep).
+        assert gone.poll(60_000), "the engine's publisher never disconnected"
     finally:
         stop.set()
-        reader.join(5)
+        reader.join(60)
+        assert not reader.is_alive(), "the subscriber thread is stuck"
+        sub.disable_monitor()
+        gone.close(0)
         sub.close(0)
         context.term()
     _assert_served(cold, warm, [64, 96])

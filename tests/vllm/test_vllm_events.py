@@ -45,18 +45,18 @@ def _engine(tmp_path, events: bool, memory: str | None = None, capacity: str = "
         engine.worker = KVOffloadConnector(vc, KVConnectorRole.WORKER, worker_cfg)
         engine.worker.register_kv_caches(_glm_kv_caches(worker_cfg))  # reopens the store with its fingerprint
     kinds = engine.connector.kinds
-    build = engine.scheduler._build_kv_connector_meta
+    build = engine.connector.build_connector_meta  # our connector's KVConnector API method (recording too)
     written: list[bytes] = []
 
-    def build_and_write(connector, scheduler_output):  # the worker's part: the job's pages land in the store
-        meta = build(connector, scheduler_output)
+    def build_and_write(scheduler_output):  # the worker's part: the job's pages land in the store
+        meta = build(scheduler_output)
         written.extend(page_key(key, group_name(g, kinds[g])) for job in meta.saves for key, g, _, _ in job.pages)
         if not memory:  # asked for at each use, as the scheduler does
             assert all(shared_store(url).put_many([(key, b"page") for key in written]))
             written.clear()
         return meta
 
-    engine.scheduler._build_kv_connector_meta = build_and_write
+    engine.connector.build_connector_meta = build_and_write
     scheduler = engine.connector.connector_scheduler
     update = scheduler.update_connector_output
 

@@ -20,8 +20,9 @@ even when no token is scheduled).  The next ``schedule()`` promotes the request 
 loaded boundary, or, after a failure, from scratch (the connector's default ``load_failure_policy``,
 "recompute", which it passes on to vLLM's ``kv_load_failure_policy``).
 
-What the connector is given is recorded at the moment it is given: ``Scheduler._build_kv_connector_meta``
-(the scheduler's hook around ``connector.build_connector_meta``) is wrapped to copy the step's
+What the connector is given is recorded at the moment it is given: the connector's own
+``build_connector_meta`` (the KVConnector API method the scheduler calls each step; the connector is
+ours, no vLLM internals are patched) is wrapped to copy the step's
 ``kv_connector_block_state.boundary_state_offloads``, every live request's block table
 (``kv_cache_manager.get_block_ids``), status and computed tokens before the connector runs; the
 scheduler clears the block state from ``SchedulerOutput`` right after.
@@ -148,10 +149,10 @@ class _Engine:
         self.unreported_saves: list[int] = []  # save jobs the simulated worker has not reported done
         self.awaiting: list[str] = []  # finished requests whose saves the scheduler waits for
 
-        build = self.scheduler._build_kv_connector_meta
+        build = self.connector.build_connector_meta  # ours: its public KVConnector API method is wrapped
         manager = self.scheduler.kv_cache_manager
 
-        def build_and_record(connector, scheduler_output):
+        def build_and_record(scheduler_output):
             state = scheduler_output.kv_connector_block_state
             offloads = {r: list(v) for r, v in state.boundary_state_offloads.items()} if state else {}
             # Every live request's table: one parked in WAITING_FOR_REMOTE_KVS has blocks (its LoadJob
@@ -161,13 +162,13 @@ class _Engine:
             computed = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
             cached = scheduler_output.scheduled_cached_reqs
             computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-            meta = build(connector, scheduler_output)
+            meta = build(scheduler_output)
             self.steps.append({"scheduled": dict(scheduler_output.num_scheduled_tokens), "computed": computed,
                                "status": {r: q.status for r, q in self.scheduler.requests.items()},
                                "offloads": offloads, "tables": tables, "meta": meta})
             return meta
 
-        self.scheduler._build_kv_connector_meta = build_and_record
+        self.connector.build_connector_meta = build_and_record
 
         lookup = self.connector.get_num_new_matched_tokens
 

@@ -32,9 +32,11 @@ def machine() -> dict:
     }
 
 
-def new_result(benchmark: str, quick: bool, **fields: object) -> dict:
-    """A result's common head (name, quick, date, machine), then its own `fields`: one key order for all."""
-    return {"benchmark": benchmark, "quick": quick, "date": time.strftime("%Y-%m-%d"), "machine": machine(), **fields}
+def new_result(benchmark: str, quick: bool, device: str | None = None, **fields: object) -> dict:
+    """A result's common head (name, quick, date, machine and the device it ran on), then its own
+    `fields`: one key order for all."""
+    host = {**machine(), "device": device} if device else machine()
+    return {"benchmark": benchmark, "quick": quick, "date": time.strftime("%Y-%m-%d"), "machine": host, **fields}
 
 
 def drop_page_cache() -> str:

@@ -29,16 +29,10 @@ import numpy as np
 import torch
 
 from ..connectors.device_transfer import DeviceTransfer
-from ..connectors.plan import Page
 from ..spec import GroupKind
 from ..store import MemoryStore, TieredStore, open_store
-from .common import machine
-from .transfer import _device_name, _median_gbps, _nbytes, _sync
-
-
-def _pages(layout, blocks: range, kinds, tag: str) -> list:
-    groups = [g for g in layout.cacheable_groups if g.kind in kinds]
-    return [Page(f"{tag}/{g.name}-{b}".encode(), g, b, b) for b in blocks for g in groups]
+from .common import new_result
+from .transfer import _device_name, _median_gbps, _nbytes, _sync, pages_of
 
 
 def _moved(items: list, half: int) -> list:
@@ -48,13 +42,13 @@ def _moved(items: list, half: int) -> list:
 
 def run(
     quick: bool = False,
+    progress=None,
     preset: str = "pruned-4l",
     block_size: int = 64,
     blocks: int = 256,
+    mla_blocks: int = 2048,
     repeats: int = 7,
     disk_dir: str | None = None,
-    progress=None,
-    mla_blocks: int = 2048,
 ) -> dict:
     from glm_integration.cache import PagedCache
     from glm_integration.config import preset as make_preset
@@ -87,18 +81,9 @@ def run(
             cache, workloads["all_groups"][0], blocks // 2, device, repeats, tmp
         )
         progress(f"[bench datapath] lmdb in the page cache: {results['all_groups']['lmdb_page_cache']}")
-    return {
-        "benchmark": "datapath",
-        "quick": quick,
-        "machine": {**machine(), "device": _device_name(device)},
-        "geometry": {
-            "preset": preset,
-            "block_size": block_size,
-            "blocks_per_workload": {name: half for name, (_, half) in workloads.items()},
-            "repeats": repeats,
-        },
-        "results": results,
-    }
+    geometry = {"preset": preset, "block_size": block_size, "repeats": repeats}
+    geometry["blocks_per_workload"] = {name: half for name, (_, half) in workloads.items()}
+    return new_result("datapath", quick, _device_name(device), geometry=geometry, results=results)
 
 
 def _raw(nbytes: int, device, repeats: int) -> dict:
@@ -124,7 +109,7 @@ def _raw(nbytes: int, device, repeats: int) -> dict:
 
 
 def _memory_tier(cache, kinds, half: int, device, repeats: int) -> dict:
-    probe = _pages(cache.layout, range(half), kinds, "probe")
+    probe = pages_of(cache.layout, range(half), kinds, "probe/")
     nbytes = _nbytes(probe)
     rows = _raw(nbytes, device, repeats)
     # Room for three repetitions' pages: the timed saves evict, and the pages a load reads stay.
@@ -133,7 +118,7 @@ def _memory_tier(cache, kinds, half: int, device, repeats: int) -> dict:
     counter = iter(range(1 << 30))
 
     def fresh() -> list:
-        return _pages(cache.layout, range(half), kinds, f"r{next(counter)}")
+        return pages_of(cache.layout, range(half), kinds, f"r{next(counter)}/")
 
     def timed(fn) -> float:
         _sync(device)
@@ -225,7 +210,7 @@ def _check_round_trip(cache, items, half: int) -> None:
 
 
 def _tiered(cache, kinds, half: int, device, repeats: int, tmp: str) -> dict:
-    items = _pages(cache.layout, range(half), kinds, "probe")
+    items = pages_of(cache.layout, range(half), kinds, "probe/")
     nbytes = _nbytes(items)
     lmdb_capacity = (repeats + 1) * nbytes + (256 << 20)
     url = (
@@ -238,7 +223,7 @@ def _tiered(cache, kinds, half: int, device, repeats: int, tmp: str) -> dict:
     saver, loader = DeviceTransfer(cache.buffer), DeviceTransfer(cache.buffer)
     waits, drains, loads, raw_writes, raw_reads = [], [], [], [], []
     for rep in range(repeats):
-        fresh = _pages(cache.layout, range(half), kinds, f"t{rep}")
+        fresh = pages_of(cache.layout, range(half), kinds, f"t{rep}/")
         _sync(device)
         start = time.perf_counter()
         _all(saver.save(store, fresh), "save")
@@ -253,7 +238,7 @@ def _tiered(cache, kinds, half: int, device, repeats: int, tmp: str) -> dict:
     for rep in range(repeats):
         _drop_file_cache(os.path.join(tmp, "store", "data.mdb"))
         store = open_store(url)
-        into = _moved(_pages(cache.layout, range(half), kinds, f"t{rep}"), half)
+        into = _moved(pages_of(cache.layout, range(half), kinds, f"t{rep}/"), half)
         loads.append(timed_load(loader, store, into, device))
         store.close()
         raw_reads.append(_raw_read(tmp, nbytes))
@@ -289,7 +274,7 @@ def _lmdb_resident(cache, kinds, half: int, device, repeats: int, tmp: str) -> d
     from ..store.lmdb_reads import READERS
     from ..store.lmdb_store import LMDBStore
 
-    items = _pages(cache.layout, range(half), kinds, "resident")
+    items = pages_of(cache.layout, range(half), kinds, "resident/")
     nbytes = _nbytes(items)
     path = os.path.join(tmp, "resident")
     capacity = 2 * nbytes + (256 << 20)

@@ -22,7 +22,7 @@ from ..connectors.plan import Page
 from ..connectors.transfer import page_spans
 from ..spec import GroupKind
 from ..store import open_store
-from .common import machine, median_seconds
+from .common import median_seconds, new_result
 
 
 def _sync(device: torch.device) -> None:
@@ -40,9 +40,10 @@ def _median_gbps(fn, nbytes: int, repeats: int, device: torch.device) -> float:
     return round(nbytes / median_seconds(synced, repeats) / 1e9, 2)
 
 
-def _pages(layout, blocks: range, kinds) -> list:
+def pages_of(layout, blocks: range, kinds, tag: str = "") -> list:
+    """The pages of `kinds` of the blocks, placed at their own blocks, keyed by tag, group and block."""
     groups = [g for g in layout.cacheable_groups if g.kind in kinds]
-    return [Page(f"{g.name}-{b}".encode(), g, b, b) for b in blocks for g in groups]
+    return [Page(f"{tag}{g.name}-{b}".encode(), g, b, b) for b in blocks for g in groups]
 
 
 def _nbytes(items) -> int:
@@ -72,26 +73,16 @@ def run(
     }
     results = {}
     for name, (kinds, n) in workloads.items():
-        save_items = _pages(cache.layout, range(n), kinds)
-        load_items = _pages(cache.layout, range(n, 2 * n), kinds)
+        save_items = pages_of(cache.layout, range(n), kinds)
+        load_items = pages_of(cache.layout, range(n, 2 * n), kinds)
         results[name] = _workload(cache, save_items, load_items, device, repeats)
         progress(
             f"[bench transfer] {preset} {name}: {n} blocks, {results[name]['bytes'] / 2**20:.0f} MiB each way; "
             + ", ".join(f"{k} {v}" for k, v in results[name]["ratios"].items())
         )
-    return {
-        "benchmark": "transfer",
-        "quick": quick,
-        "machine": {**machine(), "device": _device_name(device)},
-        "geometry": {
-            "preset": preset,
-            "block_size": block_size,
-            "cache_blocks": blocks,
-            "repeats": repeats,
-            "block_stride": cache.block_stride,
-        },
-        "results": results,
-    }
+    geometry = {"preset": preset, "block_size": block_size, "cache_blocks": blocks, "repeats": repeats}
+    geometry["block_stride"] = cache.block_stride
+    return new_result("transfer", quick, _device_name(device), geometry=geometry, results=results)
 
 
 def _workload(cache, save_items, load_items, device, repeats) -> dict:

@@ -112,9 +112,8 @@ class DeviceTransfer:
                 for w in (8, 4, 2, 1):  # one read of w bytes of the cache compiles (or loads) word size w
                     if w >= self._word_floor(groups):
                         one = np.asarray([w], dtype=np.int64)
-                        self.copier.gather(
-                            np.zeros(1, dtype=np.int64), one, slot.device, np.zeros(1, dtype=np.int64), slot.table
-                        )
+                        zero = np.zeros(1, dtype=np.int64)
+                        self.copier.move(zero, one, slot.device, zero, slot.table, gather=True, word=w)
                 # The arena paths wrap host memory by address: the first wrap pays for numpy's set-up.
                 slot.device[:1].copy_(_host_tensor(slot.host.data_ptr(), 1), non_blocking=True)
             torch.cuda.synchronize(self.device)
@@ -127,6 +126,10 @@ class DeviceTransfer:
         pages = min(BATCH_PAGES, max(1, self.staging_bytes // max(1, group.used_bytes_per_block)))
         tiles = pages * int(np.sum(-(-length // TILE_WORDS)))  # in bytes: at least the tiles of any word size
         return min(tiles, MAX_RESERVED_TILES)
+
+    def _word(self, items: Sequence[Page]) -> int:
+        """The word every batch of these pages moves in, found once per call (not per batch)."""
+        return self._word_floor(list({id(item.group): item.group for item in items}.values()))
 
     def _word_floor(self, groups: Sequence[CacheGroup]) -> int:
         """The smallest word any batch of these groups' spans can be moved in (the gcd of every offset,
@@ -235,7 +238,7 @@ class DeviceTransfer:
 
     def _plan(self, items: Sequence[Page]):
         """Page sizes and offsets (back to back), every span of every page sorted by its place in the
-        staging order, and the batch cuts over pages and over spans."""
+        staging order, the batch cuts over pages and over spans, and the word they all move in."""
         sizes = self._sizes(items)
         page_at = np.cumsum(sizes) - sizes
         spans, lengths, at = self._spans(items, page_at)
@@ -243,7 +246,7 @@ class DeviceTransfer:
         spans, lengths, at = spans[order], lengths[order], at[order]
         cuts = self._cuts(sizes)
         span_cuts = np.searchsorted(at, page_at[cuts[:-1]]).tolist() + [len(at)]
-        return sizes, page_at, spans, lengths, at, cuts, span_cuts
+        return sizes, page_at, spans, lengths, at, cuts, span_cuts, self._word(items)
 
     def _staged(self, items: Sequence[Page], after=None):
         """Yield (batch, slot, page offsets in the slot) batch by batch, the pages gathered into the slot's
@@ -252,7 +255,7 @@ class DeviceTransfer:
         batches are planned at once (one vectorised pass, not one per batch)."""
         if not items:
             return
-        sizes, page_at, spans, lengths, at, cuts, span_cuts = self._plan(items)
+        sizes, page_at, spans, lengths, at, cuts, span_cuts, word = self._plan(items)
         self._wait("save", after)  # saved: what compute queued before this call (or `after`) wrote, nothing later
 
         def queue(k: int) -> _Slot:
@@ -262,7 +265,9 @@ class DeviceTransfer:
             slot = self._slot("save", k % 2, total)
             a, b = span_cuts[k], span_cuts[k + 1]
             with self._on("save", wait=False):
-                self.copier.gather(spans[a:b], lengths[a:b], slot.device, at[a:b] - base, slot.table)
+                self.copier.move(
+                    spans[a:b], lengths[a:b], slot.device, at[a:b] - base, slot.table, gather=True, word=word
+                )
                 if self.gpu:
                     slot.host[:total].copy_(slot.device[:total], non_blocking=True)
                     slot.done.record()
@@ -301,7 +306,7 @@ class DeviceTransfer:
         with self._on("load", wait=False):
             if self.gpu:
                 slot.device[:total].copy_(slot.host[:total], non_blocking=True)
-            self.copier.scatter(spans, lengths, slot.device, at, slot.table)
+            self.copier.move(spans, lengths, slot.device, at, slot.table, gather=False)
             if self.gpu:
                 slot.done.record()
         if self.gpu:
@@ -344,7 +349,7 @@ class DeviceTransfer:
         Kernels and copies have their own streams, so a gather overlaps the previous batch's DMA."""
         if not pages:
             return []
-        sizes, page_at, spans, lengths, at, cuts, span_cuts = self._plan(pages)
+        sizes, page_at, spans, lengths, at, cuts, span_cuts, word = self._plan(pages)
         self._wait("save_kernel", after)
         kernels, copies = self.streams["save_kernel"], self.streams["save"]
         batches = list(zip(cuts, cuts[1:]))
@@ -362,7 +367,9 @@ class DeviceTransfer:
                 slot = self._slot("save", k % 2, int(page_at[end - 1] + sizes[end - 1]) - base)
                 a, b = span_cuts[k], span_cuts[k + 1]
                 with torch.cuda.stream(kernels):
-                    self.copier.gather(spans[a:b], lengths[a:b], slot.device, at[a:b] - base, slot.table)
+                    self.copier.move(
+                        spans[a:b], lengths[a:b], slot.device, at[a:b] - base, slot.table, gather=True, word=word
+                    )
                     slot.filled.record()
                 with torch.cuda.stream(copies):
                     copies.wait_event(slot.filled)
@@ -432,7 +439,7 @@ class DeviceTransfer:
         self._wait("load", after)
         self._wait("load_kernel", after)
         kernels, copies = self.streams["load_kernel"], self.streams["load"]
-        batches = self.batches(pages)
+        batches, word = self.batches(pages), self._word(pages)
         arrived: list[bool] = []
         pending = None  # the batch before: (its leases, its staged event)
         leases: list[Lease | None] | None = store.acquire([item.key for item in batches[0]])
@@ -454,7 +461,7 @@ class DeviceTransfer:
                     slot.filled.record()
                 with torch.cuda.stream(kernels):
                     kernels.wait_event(slot.filled)
-                    self.copier.scatter(spans, lengths, slot.device, at, slot.table)
+                    self.copier.move(spans, lengths, slot.device, at, slot.table, gather=False, word=word)
                     slot.done.record()
                 arrived += ok
                 if pending is not None:

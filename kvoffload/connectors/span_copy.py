@@ -55,48 +55,38 @@ class SpanCopier:
         if self.use_triton and (triton is None or not on_gpu):
             raise ValueError("the Triton span copy needs triton and a GPU buffer")
 
-    def gather(
+    def move(
         self,
         offsets: np.ndarray,
         lengths: np.ndarray,
         staging: torch.Tensor,
         at: np.ndarray,
         table: TileTable | None = None,
+        *,
+        gather: bool,
+        word: int | None = None,
     ) -> None:
-        """buffer[offsets[i] : +lengths[i]] -> staging[at[i] : +lengths[i]], on the current stream.
-        `table` is where the tile table is built; reuse one only after the last copy with it ran."""
-        self._move(offsets, lengths, staging, at, True, table)
-
-    def scatter(
-        self,
-        offsets: np.ndarray,
-        lengths: np.ndarray,
-        staging: torch.Tensor,
-        at: np.ndarray,
-        table: TileTable | None = None,
-    ) -> None:
-        """staging[at[i] : +lengths[i]] -> buffer[offsets[i] : +lengths[i]], on the current stream."""
-        self._move(offsets, lengths, staging, at, False, table)
-
-    def _move(self, offsets, lengths, staging: torch.Tensor, at, to_staging: bool, table) -> None:
+        """gather: buffer[offsets[i] : +lengths[i]] -> staging[at[i] : +lengths[i]]; else the other way;
+        on the current stream. `table` is where the tile table is built (reuse one only after the last
+        copy with it ran); `word`, a word size that divides every span (the caller's, for a plan of many
+        batches: found once), else found here."""
         if len(offsets) == 0:
             return
         if int((at + lengths).max()) > staging.numel() or int((offsets + lengths).max()) > self.buffer.numel():
             raise ValueError("a span lies outside the staging buffer or the cache buffer")
         if self.use_triton:
-            w = word_size(
-                np.concatenate([offsets, at, [self.buffer.storage_offset(), self.buffer.numel(), staging.numel()]]),
-                lengths,
-            )
-            src_at, dst_at = (offsets // w, at // w) if to_staging else (at // w, offsets // w)
+            w = word or word_size(np.concatenate([offsets, at]), lengths)
+            g = math.gcd(w, self.buffer.storage_offset(), self.buffer.numel(), staging.numel())
+            w = next(size for size in (8, 4, 2, 1) if g % size == 0)
+            src_at, dst_at = (offsets // w, at // w) if gather else (at // w, offsets // w)
             tiles = (table or TileTable(self.buffer.device)).fill(src_at, dst_at, lengths // w)
             buffer, stage = self.buffer.view(_WORD_TYPES[w]), staging.view(_WORD_TYPES[w])
-            src, dst = (buffer, stage) if to_staging else (stage, buffer)
+            src, dst = (buffer, stage) if gather else (stage, buffer)
             _copy_tiles[(tiles.shape[0],)](src, dst, tiles, BLOCK=BLOCK_WORDS, num_warps=8)
         else:
             parts = [self.buffer[o : o + n] for o, n in zip(offsets.tolist(), lengths.tolist())]
             staged = [staging[a : a + n] for a, n in zip(at.tolist(), lengths.tolist())]
-            targets, sources = (staged, parts) if to_staging else (parts, staged)
+            targets, sources = (staged, parts) if gather else (parts, staged)
             torch._foreach_copy_(targets, sources)
 
 

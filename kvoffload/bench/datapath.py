@@ -13,10 +13,13 @@ keys already stored), against baselines measured in the same run on the same byt
   software ceiling of the disk tier, independent of this machine's disk.
 
 Two workloads, as `bench transfer`: every cacheable page of each block, and MLA latent + indexer pages
-only. Without a GPU the same code runs on a host buffer (it checks the benchmark, not the link)."""
+only. Without a GPU the same code runs on a host buffer (it checks the benchmark, not the link). The
+heap is frozen after set-up (`gc.freeze`), as vLLM's engine freezes it once started: thousands of small
+pages a save allocate enough objects to trigger collections, which would otherwise walk torch's heap."""
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 import threading
@@ -60,6 +63,8 @@ def run(
     # MLA pages are small (tens of KiB a block): their workload takes many more blocks of the cache.
     cache = PagedCache(make_preset(preset), block_size, max(blocks, 2 * mla_blocks), device=device)
     cache.buffer.random_(0, 256)
+    gc.collect()
+    gc.freeze()  # as vLLM's engine does once started: a collection walks what came after, not torch's heap
     progress = progress or (lambda message: None)
     workloads = {
         "all_groups": ({GroupKind.PAGED, GroupKind.STATE}, blocks // 2),

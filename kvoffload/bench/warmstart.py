@@ -4,7 +4,7 @@ request, at GLM-5.3-Flash's full geometry, against a raw pinned host-to-device c
 Each case runs in a fresh Python process (nothing made by an earlier case, CUDA context included):
 the prefix's pages are put into a `memory://` store as host bytes (the store's view after a restart:
 nothing of the transfer path has run yet), the `Offloader` is made (the warm start runs here and is
-timed), then the first `lookup` + `load` of the prefix is timed, checked byte for byte against the
+timed), the heap frozen as vLLM's engine freezes it once started, then the first `lookup` + `load` of the prefix is timed, checked byte for byte against the
 stored pages, and repeated once warm. The baseline is the median of several pinned copies of the
 prefix's bytes in the same process. Each geometry is also run with the warm start switched off, to
 show what it saves. Needs a GPU.
@@ -12,6 +12,7 @@ show what it saves. Needs a GPU.
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -63,6 +64,8 @@ def _case(block_size: int, tokens: int, warm: bool, preset: str) -> dict:
     started = time.perf_counter()
     offloader = Offloader(store, layout, transfer)
     construct_s = time.perf_counter() - started
+    gc.collect()
+    gc.freeze()  # as vLLM's engine does once started (after register_kv_caches, where the warm start runs)
 
     def restore() -> float:
         torch.cuda.synchronize()

@@ -34,9 +34,11 @@ from .span_copy import TILE_WORDS, SpanCopier, TileTable
 _T = TypeVar("_T")
 
 DEFAULT_STAGING_BYTES = 128 << 20  # per slot; two slots per direction, made by `warm_up`
-# Pages per batch at most: a batch's host work (slots, leases, publication: ~1-2 us a page) overlaps
-# the neighbouring batch's DMA, so small pages (72 KiB: ~1.3 us of DMA each) need many batches, not two.
-BATCH_PAGES = 256
+# Pages per batch at most: a batch's host work (slots, leases, publication) overlaps the neighbouring
+# batch's DMA, so small pages (72 KiB: ~1.4 us of DMA each) want several batches, not two; each batch
+# also costs ~0.1-0.3 ms of fixed host work. On the H200 (2,048 72 KiB pages): 512 moved them fastest
+# (32 / 128 / 256 / 512 / unbounded: save 0.12 / 0.27 / 0.28 / 0.37 / 0.33 of a raw copy).
+BATCH_PAGES = 512
 MAX_RESERVED_TILES = 1 << 20  # tile-table rows made ahead per slot (24 MiB); a larger batch grows its table
 
 

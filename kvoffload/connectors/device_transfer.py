@@ -28,6 +28,7 @@ import torch
 from ..spec import CacheGroup
 from ..store import Store
 from ..store.base import Lease, host_address
+from .host_runs import host_tensor, runs
 from .plan import Page
 from .span_copy import TILE_WORDS, SpanCopier, TileTable
 
@@ -117,7 +118,7 @@ class DeviceTransfer:
                         zero = np.zeros(1, dtype=np.int64)
                         self.copier.move(zero, one, slot.device, zero, slot.table, gather=True, word=w)
                 # The arena paths wrap host memory by address: the first wrap pays for numpy's set-up.
-                slot.device[:1].copy_(_host_tensor(slot.host.data_ptr(), 1), non_blocking=True)
+                slot.device[:1].copy_(host_tensor(slot.host.data_ptr(), 1), non_blocking=True)
             torch.cuda.synchronize(self.device)
         self.warm_up_s = time.perf_counter() - started
         return self.warm_up_s
@@ -378,8 +379,8 @@ class DeviceTransfer:
                     addresses = reservation.addresses or [
                         0 if out is None else host_address(out) for out in reservation.destinations
                     ]
-                    for address, offset, n in _runs(addresses, sizes[first:end], page_at[first:end] - base):
-                        _host_tensor(address, n).copy_(slot.device[offset : offset + n], non_blocking=True)
+                    for address, offset, n in runs(addresses, sizes[first:end], page_at[first:end] - base):
+                        host_tensor(address, n).copy_(slot.device[offset : offset + n], non_blocking=True)
                     slot.done.record()
                 if pending is not None:
                     written += self._publish(store, *pending)
@@ -458,8 +459,8 @@ class DeviceTransfer:
                 slot = self._slot("load", k % 2, int(sizes.sum()))
                 spans, lengths, at = self._spans(batch, offsets, ok)
                 with torch.cuda.stream(copies):
-                    for address, offset, n in _runs(addresses, sizes, offsets):
-                        slot.device[offset : offset + n].copy_(_host_tensor(address, n), non_blocking=True)
+                    for address, offset, n in runs(addresses, sizes, offsets):
+                        slot.device[offset : offset + n].copy_(host_tensor(address, n), non_blocking=True)
                     slot.filled.record()
                 with torch.cuda.stream(kernels):
                     kernels.wait_event(slot.filled)
@@ -479,31 +480,3 @@ class DeviceTransfer:
                 if held is not None:
                     store.release(held)
         return arrived
-
-
-def _runs(addresses: Sequence[int], sizes: np.ndarray, offsets: np.ndarray) -> list[tuple[int, int, int]]:
-    """(host address, staging offset, length) of each run of pages adjacent both in host memory (arena
-    slots carved in order) and in staging: one DMA per run instead of one per page. A page at address 0
-    (a miss, no room) is skipped. Vectorised: a batch of small pages costs no Python per page here."""
-    at = np.asarray(addresses, dtype=np.int64)
-    keep = (at != 0) & (sizes > 0)
-    at, n, o = at[keep], sizes[keep], offsets[keep]
-    if not len(at):
-        return []
-    starts = np.flatnonzero(np.concatenate(([True], (at[:-1] + n[:-1] != at[1:]) | (o[:-1] + n[:-1] != o[1:]))))
-    return list(zip(at[starts].tolist(), o[starts].tolist(), np.add.reduceat(n, starts).tolist()))
-
-
-class _HostMemory:
-    """Host bytes at an address, as numpy's array interface sees them: wrapped without ctypes, whose
-    array type per length costs ~10 us for every new run length."""
-
-    __slots__ = ("__array_interface__",)
-
-    def __init__(self, address: int, nbytes: int):
-        self.__array_interface__ = {"data": (address, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
-
-
-def _host_tensor(address: int, nbytes: int) -> torch.Tensor:
-    """A uint8 tensor over host memory the caller holds (an arena run): torch sees it is pinned."""
-    return torch.from_numpy(np.asarray(_HostMemory(address, nbytes)))

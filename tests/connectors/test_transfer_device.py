@@ -154,7 +154,7 @@ def test_streams_order_saves_after_compute_and_compute_after_loads():
 
 
 def test_adjacent_arena_slots_move_in_one_copy():
-    from kvoffload.connectors.device_transfer import _runs
+    from kvoffload.connectors.host_runs import runs as _runs
 
     base = np.zeros(64, dtype=np.uint8).ctypes.data
     addresses = [base, base + 8, 0, base + 32, base + 40]  # 0: a page with no slot

@@ -5,9 +5,9 @@ Each case runs in a fresh Python process (nothing made by an earlier case, CUDA 
 the prefix's pages are put into a `memory://` store as host bytes (the store's view after a restart:
 nothing of the transfer path has run yet), the `Offloader` is made (the warm start runs here and is
 timed), the heap frozen as vLLM's engine freezes it once started, then the first `lookup` + `load` of
-the prefix is timed, checked byte for byte against the stored pages, and repeated once warm. The baseline is the median of several pinned copies of the
-prefix's bytes in the same process. Each geometry is also run with the warm start switched off, to
-show what it saves. Needs a GPU.
+the prefix is timed, checked byte for byte against the stored pages, and repeated once warm. The
+baseline is the median of several pinned copies of the prefix's bytes in the same process. Each
+geometry is also run with the warm start switched off, to show what it saves. Needs a GPU.
 """
 
 from __future__ import annotations

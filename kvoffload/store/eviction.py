@@ -11,7 +11,7 @@ with hits left goes back to the front with one less.
 A policy orders keys only; the arena (memory.py) owns the values and calls it under its own lock:
 `insert` when a value is indexed, `touch` on a hit, `victim` for the next entry to evict (with a test of
 whether it may go: a held slot may not), `remove` when a key leaves otherwise (delete, replace); the
-`_many` forms and LRU's `oldest` / `drop_oldest` serve batches of small pages in bulk.
+`_many` forms and `victims` serve batches of small pages in bulk (S3-FIFO's `victims` declines).
 Every call is O(1), `victim` amortised: a counter is spent once per hit."""
 
 from __future__ import annotations
@@ -53,14 +53,15 @@ class LRU:
     def touch_many(self, keys: Sequence[bytes]) -> None:
         deque(map(self._order.move_to_end, keys), maxlen=0)
 
-    def oldest(self, count: int) -> list[bytes]:
-        """The next `count` keys `victim` would consider, not dropped (see `drop_oldest`)."""
-        return list(itertools.islice(self._order, count))
-
-    def drop_oldest(self, count: int) -> None:
-        """Evict the `count` keys `oldest` named (the arena checked that they may go)."""
+    def victims(self, count: int, may_go: Callable[[list[bytes]], bool]) -> list[bytes] | None:
+        """The next `count` victims at once, dropped from the order, if `may_go` says all of them may go
+        (then they are the keys `count` calls of `victim` would give); else None and nothing changes."""
+        keys = list(itertools.islice(self._order, count))
+        if len(keys) < count or not may_go(keys):
+            return None
         for _ in range(count):
             self._order.popitem(last=False)
+        return keys
 
     def remove(self, key: bytes) -> None:
         self._order.pop(key, None)
@@ -118,12 +119,9 @@ class S3FIFO:
         for key in keys:
             self.touch(key)
 
-    def oldest(self, count: int) -> None:
+    def victims(self, count: int, may_go: Callable[[list[bytes]], bool]) -> None:
         """No batch of victims: which key goes depends on the hits met on the way (`victim`)."""
         return None
-
-    def drop_oldest(self, count: int) -> None:
-        raise NotImplementedError("S3-FIFO evicts one victim at a time")
 
     def remove(self, key: bytes) -> None:
         if self._freq.pop(key, None) is None:

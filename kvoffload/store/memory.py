@@ -89,6 +89,7 @@ class MemoryStore(Store):
         self._orphans: set[int] = set()  # held slots whose key left the index: freed at the last release
         self._leases: dict[int, int] = {}  # lease id -> slot
         self._used = self._pending = 0  # value bytes, slots being filled
+        self._bulk = True  # the bulk paths (a test turns them off to hold them to the per-value path)
         self._closed = False
         self._owners: set[str] = set()  # namespaces that claimed this store (see Store.clear)
         if self.pinned if reserve is None else reserve:
@@ -125,14 +126,9 @@ class MemoryStore(Store):
             old = self._index.get(key)
             if old is not None and old[0] not in self._holds:
                 slot = self._unindex(key, cls)[1]  # replaced anyway: not an eviction
-            elif (victim := self._policy.victim(self._unheld)) is not None:  # unheld, out of the policy
-                taken, nbytes = self._index.pop(victim)
-                self._used -= nbytes
+            elif (victim := self._policy.victim(self._unheld)) is not None:
+                nbytes, slot = self._unindex(victim, cls)
                 evicted.append((victim, nbytes))  # counted once per batch
-                if arena.slot_class(taken) == cls:
-                    slot = taken  # straight to the new value: not freed and taken again
-                else:
-                    arena.free(taken)
             elif batch:
                 arena.free(batch.pop(next(iter(batch))))
             else:
@@ -141,29 +137,30 @@ class MemoryStore(Store):
                 slot = arena.take(cls)
         return slot
 
-    def _reserve_run(self, items: list[tuple[bytes, int]], batch: dict[int, int], evicted: list) -> int:
+    def _reserve_run(
+        self, items: list[tuple[bytes, int]], batch: dict[int, int], evicted: list[tuple[bytes, int]]
+    ) -> int:
         """The hot path of `_reserve_slots`: a batch of one size class whose keys are all new takes its
         slots a chunk at a time and, in a full arena, evicts its LRU victims at once, where those are
         unheld and of the class (the slots `_reserve` would hand out, one by one). Returns how many
         leading items have a slot; the rest take the per-value path."""
         sizes = {n for _, n in items}
         keys = [key for key, _ in items]
-        if len(sizes) != 1 or len(set(keys)) != len(keys) or not self._index.keys().isdisjoint(keys):
+        if not self._bulk or len(sizes) != 1 or len(set(keys)) != len(keys) or not self._index.keys().isdisjoint(keys):
             return 0
         cls = self._arena.class_of(sizes.pop())
         slots = self._arena.take_many(cls, len(keys))
         short = len(keys) - len(slots)
-        victims = self._policy.oldest(short) if short else None
-        if victims is not None and len(victims) == short:
-            entries = list(map(self._index.__getitem__, victims))
-            taken = [slot for slot, _ in entries]
-            if self._holds.keys().isdisjoint(taken) and all(self._arena.slot_class(t) == cls for t in taken):
-                self._policy.drop_oldest(short)
-                for victim in victims:
-                    del self._index[victim]
-                self._used -= sum(n for _, n in entries)
-                evicted += zip(victims, (n for _, n in entries))
-                slots += taken
+
+        def may_go(victims: list[bytes]) -> bool:  # unheld, and slots of this class: handed on as they are
+            taken = [self._index[victim][0] for victim in victims]
+            return self._holds.keys().isdisjoint(taken) and all(self._arena.slot_class(t) == cls for t in taken)
+
+        for victim in (self._policy.victims(short, may_go) if short else None) or ():
+            slot, nbytes = self._index.pop(victim)
+            self._used -= nbytes
+            evicted.append((victim, nbytes))
+            slots.append(slot)
         batch.update(enumerate(slots))
         return len(slots)
 
@@ -192,7 +189,7 @@ class MemoryStore(Store):
             entries = list(map(index.get, keys))
             found = cast(list[tuple[int, int]], entries) if None not in entries else []
             slots = [slot for slot, _ in found]
-            if len(set(slots)) == len(keys) and holds.keys().isdisjoint(slots):  # present, distinct, unheld
+            if self._bulk and len(set(slots)) == len(keys) and holds.keys().isdisjoint(slots):  # present, unheld
                 if touch:
                     self._policy.touch_many(keys)
                 holds.update(dict.fromkeys(slots, 1))
@@ -261,7 +258,7 @@ class MemoryStore(Store):
         index, insert, used = self._index, self._policy.insert, 0
         with self._lock:
             self._pending -= len(batch)
-            if len(batch) == len(items) and all(filled) and index.keys().isdisjoint(keys):  # all new: in bulk
+            if self._bulk and len(batch) == len(items) and all(filled) and index.keys().isdisjoint(keys):  # new
                 sizes = [n for _, n in items]
                 index.update(zip(keys, zip(batch.values(), sizes)))  # batch: item order (see _reserve_slots)
                 self._policy.insert_many(keys, sizes)

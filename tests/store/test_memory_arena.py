@@ -402,12 +402,12 @@ def test_slots_are_pinned_for_device_copies():
 def test_the_bulk_paths_hand_out_and_evict_what_the_per_value_path_does(evict):
     """Batches of small pages take the bulk paths (`_reserve_run`, bulk publish and leases); a store
     forced onto the per-value path, fed the same random operations (one and several sizes, repeated
-    keys, stored keys, unfilled slots, held leases, deletes), must end with the same slots, order,
-    bytes and counters."""
+    keys, stored keys, unfilled slots, held leases, deletes), must hold the same slots, holds, leases
+    and orphans after every step, and end with the same order, bytes and counters."""
     rng = random.Random(11)
     fast = MemoryStore(64 * PAGE, pinned=False, chunk_bytes=16 * PAGE, evict=evict)
     slow = MemoryStore(64 * PAGE, pinned=False, chunk_bytes=16 * PAGE, evict=evict)
-    slow._reserve_run = lambda items, batch, evicted: 0  # type: ignore[method-assign]
+    slow._bulk = False  # every batch value by value
     held: dict[int, list] = {id(fast): [], id(slow): []}
     names = [b"k%d" % i for i in range(120)]
     bulk = 0
@@ -429,7 +429,8 @@ def test_the_bulk_paths_hand_out_and_evict_what_the_per_value_path_does(evict):
             else:
                 store.delete(keys[0])
         bulk += action < 0.6 and len(set(sizes)) == 1 and len(set(keys)) == len(keys)
-        assert fast._index == slow._index, step
+        assert fast._index == slow._index and fast._holds == slow._holds, step
+        assert fast._orphans == slow._orphans and sorted(fast._leases.values()) == sorted(slow._leases.values())
     assert fast.stats() == slow.stats() and fast.stats()["evictions"] > 50 and bulk > 50
     if evict == "lru":
         assert list(fast._policy._order) == list(slow._policy._order)

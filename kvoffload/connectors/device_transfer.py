@@ -20,6 +20,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
+from operator import attrgetter
 from typing import TypeVar
 
 import numpy as np
@@ -27,12 +28,13 @@ import torch
 
 from ..spec import CacheGroup
 from ..store import Store
-from ..store.base import Lease, host_address
+from ..store.base import HeldBatch, host_address
 from .host_runs import host_tensor, runs
 from .plan import Page
 from .span_copy import TILE_WORDS, SpanCopier, TileTable
 
 _T = TypeVar("_T")
+_GROUP, _BLOCK = attrgetter("group"), attrgetter("block")
 
 DEFAULT_STAGING_BYTES = 128 << 20  # per slot; two slots per direction, made by `warm_up`
 # Pages per batch at most: a batch's host work (slots, leases, publication) overlaps the neighbouring
@@ -130,10 +132,6 @@ class DeviceTransfer:
         tiles = pages * int(np.sum(-(-length // TILE_WORDS)))  # in bytes: at least the tiles of any word size
         return min(tiles, MAX_RESERVED_TILES)
 
-    def _word(self, items: Sequence[Page]) -> int:
-        """The word every batch of these pages moves in, found once per call (not per batch)."""
-        return self._word_floor(list({id(item.group): item.group for item in items}.values()))
-
     def _word_floor(self, groups: Sequence[CacheGroup]) -> int:
         """The smallest word any batch of these groups' spans can be moved in (the gcd of every offset,
         stride and length, with the buffer's and the slots' sizes)."""
@@ -179,8 +177,19 @@ class DeviceTransfer:
         return torch.cuda.stream(stream)
 
     @staticmethod
-    def _sizes(items: Sequence[Page]) -> np.ndarray:
-        return np.fromiter([item.group.used_bytes_per_block for item in items], dtype=np.int64, count=len(items))
+    def _columns(items: Sequence[Page]) -> tuple[list[CacheGroup], np.ndarray, np.ndarray]:
+        """One pass over the pages, in C: their distinct groups, each page's group (an index into those)
+        and each page's size. Thousands of small pages cost no Python per page here."""
+        group_of = list(map(_GROUP, items))
+        ids = np.fromiter(map(id, group_of), dtype=np.int64, count=len(items))
+        _, first, which = np.unique(ids, return_index=True, return_inverse=True)
+        groups = [group_of[i] for i in first.tolist()]
+        sizes = np.asarray([g.used_bytes_per_block for g in groups], dtype=np.int64)[which]
+        return groups, which, sizes
+
+    @classmethod
+    def _sizes(cls, items: Sequence[Page]) -> np.ndarray:
+        return cls._columns(items)[2]
 
     def _template(self, group: CacheGroup) -> tuple[np.ndarray, ...]:
         """Per span of a page, in page order: offset in block 0, block stride, length, offset in the page."""
@@ -203,16 +212,14 @@ class DeviceTransfer:
         if keep is not None and not all(keep):
             chosen = [i for i, k in enumerate(keep) if k]
             batch, page_at = [batch[i] for i in chosen], page_at[chosen]
-        groups = {id(item.group): item.group for item in batch}
-        which = (
-            np.fromiter([id(item.group) for item in batch], dtype=np.int64, count=len(batch))
-            if len(groups) > 1
-            else None
-        )
-        blocks = np.fromiter([item.block for item in batch], dtype=np.int64, count=len(batch))
+        groups, which, _ = self._columns(batch)
+        return self._group_spans(groups, which, np.fromiter(map(_BLOCK, batch), np.int64, len(batch)), page_at)
+
+    def _group_spans(self, groups: list[CacheGroup], which: np.ndarray, blocks: np.ndarray, page_at: np.ndarray):
+        """`_spans` of pages given as columns (`_columns`), grouped by group."""
         parts = []
-        for key, group in groups.items():
-            mine = slice(None) if which is None else which == key
+        for k, group in enumerate(groups):
+            mine = slice(None) if len(groups) == 1 else which == k
             base, stride, length, rel = self._template(group)
             b, s = blocks[mine][:, None], page_at[mine][:, None]
             parts.append(((base + b * stride).ravel(), np.tile(length, len(b)), (s + rel).ravel()))
@@ -242,14 +249,15 @@ class DeviceTransfer:
     def _plan(self, items: Sequence[Page]):
         """Page sizes and offsets (back to back), every span of every page sorted by its place in the
         staging order, the batch cuts over pages and over spans, and the word they all move in."""
-        sizes = self._sizes(items)
+        groups, which, sizes = self._columns(items)
         page_at = np.cumsum(sizes) - sizes
-        spans, lengths, at = self._spans(items, page_at)
+        blocks = np.fromiter(map(_BLOCK, items), np.int64, len(items))
+        spans, lengths, at = self._group_spans(groups, which, blocks, page_at)
         order = np.argsort(at, kind="stable")
         spans, lengths, at = spans[order], lengths[order], at[order]
         cuts = self._cuts(sizes)
         span_cuts = np.searchsorted(at, page_at[cuts[:-1]]).tolist() + [len(at)]
-        return sizes, page_at, spans, lengths, at, cuts, span_cuts, self._word(items)
+        return sizes, page_at, spans, lengths, at, cuts, span_cuts, self._word_floor(groups)
 
     def _staged(self, items: Sequence[Page], after=None):
         """Yield (batch, slot, page offsets in the slot) batch by batch, the pages gathered into the slot's
@@ -356,10 +364,11 @@ class DeviceTransfer:
         self._wait("save_kernel", after)
         kernels, copies = self.streams["save_kernel"], self.streams["save"]
         batches = list(zip(cuts, cuts[1:]))
+        keys, size_list = [item.key for item in pages], sizes.tolist()
 
         def reserve(k: int):
             first, end = batches[k]
-            return store.reserve([(item.key, item.group.used_bytes_per_block) for item in pages[first:end]])
+            return store.reserve(list(zip(keys[first:end], size_list[first:end])))
 
         written: list[bool] = []
         pending = None  # the batch before: (its reservation, its slot's event)
@@ -376,9 +385,9 @@ class DeviceTransfer:
                     slot.filled.record()
                 with torch.cuda.stream(copies):
                     copies.wait_event(slot.filled)
-                    addresses = reservation.addresses or [
-                        0 if out is None else host_address(out) for out in reservation.destinations
-                    ]
+                    addresses = reservation.addresses
+                    if addresses is None:
+                        addresses = [0 if out is None else host_address(out) for out in reservation.destinations]
                     for address, offset, n in runs(addresses, sizes[first:end], page_at[first:end] - base):
                         host_tensor(address, n).copy_(slot.device[offset : offset + n], non_blocking=True)
                     slot.done.record()
@@ -401,7 +410,7 @@ class DeviceTransfer:
     @staticmethod
     def _publish(store: Store, reservation, event) -> list[bool]:
         event.synchronize()  # published only once the bytes are in the slots
-        return store.publish(reservation, [out is not None for out in reservation.destinations])
+        return store.publish(reservation, reservation.filled_all())
 
     def load(self, store: Store, pages: Sequence[Page], after=None) -> list[bool]:
         """Restore the pages batch by batch; a page missing, failing its checksum or of another size is a
@@ -434,49 +443,53 @@ class DeviceTransfer:
         return ok
 
     def _load_in_place(self, store: Store, pages: Sequence[Page], after) -> list[bool]:
-        """Per staging batch: hold its pages in their arena slots (leases), copy them by DMA (one copy per
-        run of adjacent slots) into device staging, scatter. The next batch is acquired, and the last
-        one's leases given back, while this batch's copies run. Copies and kernels have their own streams."""
+        """Per staging batch: hold its pages in their arena slots (one batch lease, by address), copy them
+        by DMA (one copy per run of adjacent slots) into device staging, scatter. The next batch is
+        acquired, and the last one given back, while this batch's copies run. Copies and kernels have
+        their own streams; the spans of every batch are planned at once."""
         if not pages:
             return []
         self._wait("load", after)
         self._wait("load_kernel", after)
         kernels, copies = self.streams["load_kernel"], self.streams["load"]
-        batches, word = self.batches(pages), self._word(pages)
-        arrived: list[bool] = []
-        pending = None  # the batch before: (its leases, its staged event)
-        leases: list[Lease | None] | None = store.acquire([item.key for item in batches[0]])
+        sizes, page_at, spans, lengths, at, cuts, span_cuts, word = self._plan(pages)
+        span_page = np.searchsorted(page_at, at, side="right") - 1  # the page each span belongs to
+        keys = [item.key for item in pages]
+        arrived = np.zeros(len(pages), dtype=bool)
+        pending = None  # the batch before: (its batch lease, its staged event)
+        held: HeldBatch | None = store.acquire_batch(keys[: cuts[1]])
         try:
-            for k, batch in enumerate(batches):
-                assert leases is not None  # acquired for this batch (before the loop, or by the last iteration)
-                sizes = self._sizes(batch)
-                ok = [lease is not None and lease.view.nbytes == n for lease, n in zip(leases, sizes.tolist())]
-                addresses = [
-                    host_address(lease.view, lease.address) if good and lease is not None else 0
-                    for lease, good in zip(leases, ok)
-                ]
-                offsets = np.cumsum(sizes) - sizes
-                slot = self._slot("load", k % 2, int(sizes.sum()))
-                spans, lengths, at = self._spans(batch, offsets, ok)
+            for k, (first, end) in enumerate(zip(cuts, cuts[1:])):
+                assert held is not None  # acquired for this batch (before the loop, or by the last iteration)
+                ok = held.sizes == sizes[first:end]  # a miss (size 0) or a value of another size is not moved
+                arrived[first:end] = ok
+                base = int(page_at[first])
+                slot = self._slot("load", k % 2, int(page_at[end - 1] + sizes[end - 1]) - base)
+                a, b = span_cuts[k], span_cuts[k + 1]
+                keep = ok[span_page[a:b] - first]
                 with torch.cuda.stream(copies):
-                    for address, offset, n in runs(addresses, sizes, offsets):
+                    for address, offset, n in runs(
+                        np.where(ok, held.addresses, 0), sizes[first:end], page_at[first:end] - base
+                    ):
                         slot.device[offset : offset + n].copy_(host_tensor(address, n), non_blocking=True)
                     slot.filled.record()
                 with torch.cuda.stream(kernels):
                     kernels.wait_event(slot.filled)
-                    self.copier.move(spans, lengths, slot.device, at, slot.table, gather=False, word=word)
+                    self.copier.move(
+                        spans[a:b][keep], lengths[a:b][keep], slot.device, at[a:b][keep] - base, slot.table,
+                        gather=False, word=word,
+                    )  # fmt: skip
                     slot.done.record()
-                arrived += ok
                 if pending is not None:
                     pending[1].synchronize()  # its slots are read: they may be given back
-                    store.release(pending[0])
-                pending, leases = (leases, slot.filled), None
-                if k + 1 < len(batches):
-                    leases = store.acquire([item.key for item in batches[k + 1]])
+                    store.release_batch(pending[0])
+                pending, held = (held, slot.filled), None
+                if k + 2 < len(cuts):
+                    held = store.acquire_batch(keys[end : cuts[k + 2]])
             kernels.synchronize()  # scattered: compute may read the blocks
         finally:
             copies.synchronize()
-            for held in (leases, pending[0] if pending is not None else None):
-                if held is not None:
-                    store.release(held)
-        return arrived
+            for batch in (held, pending[0] if pending is not None else None):
+                if batch is not None:
+                    store.release_batch(batch)
+        return arrived.tolist()

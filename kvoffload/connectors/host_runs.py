@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 
-def runs(addresses: Sequence[int], sizes: np.ndarray, offsets: np.ndarray) -> list[tuple[int, int, int]]:
+def runs(addresses: Sequence[int] | np.ndarray, sizes: np.ndarray, offsets: np.ndarray) -> list[tuple[int, int, int]]:
     """(host address, staging offset, length) of each run of pages adjacent both in host memory (arena
     slots carved in order) and in staging: one DMA per run instead of one per page. A page at address 0
     (a miss, no room) is skipped. Vectorised: a batch of small pages costs no Python per page here."""

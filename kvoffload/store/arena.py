@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -35,6 +36,21 @@ class Chunk:
         self.carved = 0  # slots handed out so far; the rest of the chunk is uncarved
         self.free: deque[int] = deque()  # indices of freed slots, reused oldest first (see take)
         self.used = 0
+
+
+class SlotViews(Sequence):
+    """The slots of a reservation as numpy views, each made when read (-1: no slot, None): a device
+    transfer copies by address and never reads them."""
+
+    def __init__(self, arena: Arena, slots: Sequence[int], sizes: Sequence[int]):
+        self.arena, self.slots, self.sizes = arena, slots, sizes
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __getitem__(self, i):  # an index (a reservation's `destinations` are read one by one)
+        slot = self.slots[i]
+        return None if slot < 0 else self.arena.view(slot, self.sizes[i])[0]
 
 
 class Arena:
@@ -97,6 +113,14 @@ class Arena:
         chunk = self.chunks[slot >> SHIFT]
         start = (slot & SLOT_MASK) * chunk.slot_bytes
         return chunk.array[start : start + nbytes], chunk.address + start
+
+    def addresses(self, slots: Sequence[int]) -> np.ndarray:
+        """The host address of each slot (-1: none, address 0), vectorised: a batch has few chunks."""
+        at = np.asarray(slots, dtype=np.int64)
+        ids, inverse = np.unique(np.where(at < 0, -1, at >> SHIFT), return_inverse=True)
+        base = np.array([self.chunks[i].address if i >= 0 else 0 for i in ids.tolist()], dtype=np.int64)
+        step = np.array([self.chunks[i].slot_bytes if i >= 0 else 0 for i in ids.tolist()], dtype=np.int64)
+        return base[inverse] + (at & SLOT_MASK) * step[inverse]
 
     def take(self, cls: int) -> int | None:
         """A slot of class `cls`: a free one, a new chunk's, or None (then `cls` is starved)."""

@@ -9,7 +9,7 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar, cast
 
 import numpy as np
 
@@ -28,12 +28,19 @@ Fill = Callable[[list["np.ndarray | None"]], list[bool]]
 class Reservation:
     """Destinations `Store.reserve` handed out for `items` ((key, size) pairs), until `publish`.
     `addresses`: each destination's host address (0 for none), where the tier knows them without
-    asking numpy (the arena: a device copies runs of adjacent slots without a per-page lookup)."""
+    asking numpy (the arena: a device copies runs of adjacent slots without a per-page lookup; its
+    `destinations` are made only when read, so a device transfer, which copies by address, makes none)."""
 
     items: list[tuple[bytes, int]]
-    destinations: list[np.ndarray | None]
+    destinations: Sequence[np.ndarray | None]
     handle: object = None  # the tier's
-    addresses: list[int] | None = None
+    addresses: np.ndarray | None = None  # int64
+
+    def filled_all(self) -> list[bool]:
+        """Every value that has a destination: the flags to publish once all of them were written."""
+        if self.addresses is not None:
+            return (self.addresses != 0).tolist()
+        return [out is not None for out in self.destinations]
 
 
 class Lease(NamedTuple):
@@ -47,9 +54,29 @@ class Lease(NamedTuple):
     address: int = 0  # the view's host address where the tier knows it (0: ask the view)
 
 
+class HeldBatch(NamedTuple):
+    """Values held in place by host address for one device copy (`Store.acquire_batch`): what `acquire`
+    holds, without a view or a lease per value (a batch of thousands of small pages), until
+    `Store.release_batch`."""
+
+    addresses: np.ndarray  # int64 per key: the value's host address, 0 for a miss
+    sizes: np.ndarray  # int64 per key: its bytes, 0 for a miss
+    handle: object  # the tier's, for `release_batch`
+
+
 def host_address(view: np.ndarray, known: int = 0) -> int:
     """The host address of a value's bytes: `known` (the tier's) or the view's own (a slow lookup)."""
     return known or view.ctypes.data
+
+
+def check_keys(keys: Sequence[object], max_key_bytes: int | None, url: str) -> list[bytes]:
+    """`check_key` of a batch: a batch of plain byte strings in the length limits is checked in C
+    (`map`), without a call per key."""
+    if set(map(type, keys)) <= {bytes} and keys:
+        lengths = set(map(len, cast(Sequence[bytes], keys)))
+        if min(lengths) > 0 and (max_key_bytes is None or max(lengths) <= max_key_bytes):
+            return cast(list[bytes], list(keys))  # all bytes, checked above
+    return [check_key(key, max_key_bytes, url) for key in keys]
 
 
 def check_key(key: object, max_key_bytes: int | None, url: str) -> bytes:
@@ -206,6 +233,18 @@ class Store(ABC):
 
     def release(self, leases: Iterable[Lease | None]) -> None:  # noqa: B027 - the default acquire copies: nothing held
         """Give back what `acquire` held (None entries and private copies are ignored)."""
+
+    def acquire_batch(self, keys: Sequence[bytes], *, touch: bool = True) -> HeldBatch:
+        """`acquire` by host address, for a device copy: one `HeldBatch` until `release_batch`. Here:
+        `acquire`'s leases (the arena holds a batch without a lease per value)."""
+        leases = self.acquire(keys, touch=touch)
+        addresses = [0 if lease is None else host_address(lease.view, lease.address) for lease in leases]
+        sizes = [0 if lease is None else lease.view.nbytes for lease in leases]
+        return HeldBatch(np.asarray(addresses, dtype=np.int64), np.asarray(sizes, dtype=np.int64), leases)
+
+    def release_batch(self, held: HeldBatch) -> None:
+        """Give back what `acquire_batch` held."""
+        self.release(cast(list[Lease | None], held.handle))  # the default batch's handle: its leases
 
     # -- derived forms ------------------------------------------------------------------------------
     def put(self, key: bytes, value: Buffer) -> bool:

@@ -30,12 +30,13 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import cast
+from operator import itemgetter
+from typing import NamedTuple, cast
 
 import numpy as np
 
-from .arena import SHIFT, SLOT_MASK, Arena
-from .base import Lease, Reservation, Store, check_key
+from .arena import SHIFT, SLOT_MASK, Arena, SlotViews
+from .base import HeldBatch, Lease, Reservation, Store, check_keys
 from .buffers import Buffer
 from .errors import EntryTooLargeError, StoreConfigError
 from .eviction import make_policy, policy_name
@@ -44,6 +45,14 @@ log = logging.getLogger(__name__)
 
 MAX_CHUNK = 256 << 20  # default largest chunk, and so the largest value
 _lease_ids = itertools.count(1)  # unique across stores: a lease released twice or elsewhere is caught
+
+
+class _Batch(NamedTuple):
+    """A reservation's handle: item -> reserved slot, and its keys and sizes."""
+
+    slots: dict[int, int]
+    keys: list[bytes]
+    sizes: list[int]
 
 
 def _cuda_present() -> bool:
@@ -88,6 +97,7 @@ class MemoryStore(Store):
         self._holds: dict[int, int] = {}  # slot -> holders (readers, leases)
         self._orphans: set[int] = set()  # held slots whose key left the index: freed at the last release
         self._leases: dict[int, int] = {}  # lease id -> slot
+        self._batches: dict[int, list[int]] = {}  # batch lease id -> its slots (`acquire_batch`)
         self._used = self._pending = 0  # value bytes, slots being filled
         self._bulk = True  # the bulk paths (a test turns them off to hold them to the per-value path)
         self._closed = False
@@ -138,29 +148,39 @@ class MemoryStore(Store):
         return slot
 
     def _reserve_run(
-        self, items: list[tuple[bytes, int]], batch: dict[int, int], evicted: list[tuple[bytes, int]]
+        self, keys: list[bytes], sizes: list[int], batch: dict[int, int], evicted: list[tuple[bytes, int]]
     ) -> int:
         """The hot path of `_reserve_slots`: a batch of one size class whose keys are all new takes its
         slots a chunk at a time and, in a full arena, evicts its LRU victims at once, where those are
         unheld and of the class (the slots `_reserve` would hand out, one by one). Returns how many
         leading items have a slot; the rest take the per-value path."""
-        sizes = {n for _, n in items}
-        keys = [key for key, _ in items]
-        if not self._bulk or len(sizes) != 1 or len(set(keys)) != len(keys) or not self._index.keys().isdisjoint(keys):
+        classes = set(sizes)
+        if not self._bulk or len(classes) != 1 or len(set(keys)) != len(keys):
             return 0
-        cls = self._arena.class_of(sizes.pop())
+        if not self._index.keys().isdisjoint(keys):
+            return 0
+        cls = self._arena.class_of(classes.pop())
         slots = self._arena.take_many(cls, len(keys))
         short = len(keys) - len(slots)
+        chunks = self._arena.chunks
+
+        gone: list[tuple[int, int]] = []  # the victims' index entries, taken out by may_go
 
         def may_go(victims: list[bytes]) -> bool:  # unheld, and slots of this class: handed on as they are
-            taken = [self._index[victim][0] for victim in victims]
-            return self._holds.keys().isdisjoint(taken) and all(self._arena.slot_class(t) == cls for t in taken)
+            gone[:] = map(self._index.pop, victims)  # one lookup each: put back below if they may not go
+            taken = [slot for slot, _ in gone]
+            chunk_ids = set(np.right_shift(taken, SHIFT).tolist())
+            if self._holds.keys().isdisjoint(taken) and all(chunks[c].slot_bytes == cls for c in chunk_ids):
+                return True
+            self._index.update(zip(victims, gone))
+            return False
 
-        for victim in (self._policy.victims(short, may_go) if short else None) or ():
-            slot, nbytes = self._index.pop(victim)
-            self._used -= nbytes
-            evicted.append((victim, nbytes))
-            slots.append(slot)
+        victims = (self._policy.victims(short, may_go) if short else None) or []
+        if victims:
+            gone_slots, freed = zip(*gone)
+            slots += gone_slots
+            self._used -= sum(freed)
+            evicted += zip(victims, freed)
         batch.update(enumerate(slots))
         return len(slots)
 
@@ -221,52 +241,51 @@ class MemoryStore(Store):
         return held
 
     # -- writes ----------------------------------------------------------------------------------
-    def _reserve_slots(self, items: list[tuple[bytes, int]]) -> Reservation:
-        batch: dict[int, int] = {}  # item -> reserved slot, in batch order
-        latest: dict[bytes, int] = {}  # key -> the item of this batch that will hold it
-        dests: list[np.ndarray | None] = [None] * len(items)
-        addresses = [0] * len(items)
+    def _reserve_slots(self, keys: list[bytes], sizes: list[int]) -> Reservation:
+        batch: dict[int, int] = {}  # item -> reserved slot (in item order where the run took them all)
         evicted: list[tuple[bytes, int]] = []  # (key, bytes)
-        classes = {n: self._arena.class_of(n) for n in {n for _, n in items}}  # a layout has few page sizes
         with self._lock:
-            start = self._reserve_run(items, batch, evicted)
-            latest.update((items[i][0], i) for i in range(start))
-            for i in range(start, len(items)):
-                key, nbytes = items[i]
-                if key in latest and latest[key] in batch:  # a later value of the key replaces it
-                    self._arena.free(batch.pop(latest[key]))
-                slot = self._reserve(key, classes[nbytes], batch, evicted)
-                if slot is not None:
-                    batch[i], latest[key] = slot, i
-            chunks = self._arena.chunks
-            for i, slot in batch.items():  # `Arena.view`, inlined: this loop runs once per page
-                chunk = chunks[slot >> SHIFT]
-                at = (slot & SLOT_MASK) * chunk.slot_bytes
-                dests[i], addresses[i] = chunk.array[at : at + items[i][1]], chunk.address + at
+            start = self._reserve_run(keys, sizes, batch, evicted)
+            if start < len(keys):
+                classes = {n: self._arena.class_of(n) for n in set(sizes)}  # a layout has few page sizes
+                latest = dict(zip(keys[:start], range(start)))  # key -> the item of this batch that will hold it
+                for i in range(start, len(keys)):
+                    key = keys[i]
+                    if key in latest and latest[key] in batch:  # a later value of the key replaces it
+                        self._arena.free(batch.pop(latest[key]))
+                    slot = self._reserve(key, classes[sizes[i]], batch, evicted)
+                    if slot is not None:
+                        batch[i], latest[key] = slot, i
+            slots = list(batch.values()) if start == len(keys) else [batch.get(i, -1) for i in range(len(keys))]
+            addresses = self._arena.addresses(slots)
             self._pending += len(batch)
         if evicted:
-            self._count(evictions=len(evicted), evicted_bytes=sum(n for _, n in evicted))
+            self._count(evictions=len(evicted), evicted_bytes=sum(map(itemgetter(1), evicted)))
             if self._on_evict is not None:  # a key this batch writes again is not gone
-                self._report_evicted(list({k for k, _ in evicted}.difference(key for key, _ in items)))
-        return Reservation(items, dests, batch, addresses)
+                self._report_evicted(list({k for k, _ in evicted}.difference(keys)))
+        handle = _Batch(batch, keys, sizes)
+        return Reservation(list(zip(keys, sizes)), SlotViews(self._arena, slots, sizes), handle, addresses)
 
     def publish(self, reservation: Reservation, filled: Sequence[bool]) -> list[bool]:
         """Index the slots `filled` marks (replacing older values of their keys), free the others."""
-        items, batch = reservation.items, cast(dict[int, int], reservation.handle)  # ours: item -> slot
-        written = [False] * len(items)
-        keys = [key for key, _ in items]
-        index, insert, used = self._index, self._policy.insert, 0
+        handle = reservation.handle
+        if not isinstance(handle, _Batch):
+            raise TypeError(f"memory store {self.url}: not one of its reservations")
+        batch, keys, sizes = handle
+        index, insert, used, total = self._index, self._policy.insert, 0, 0
         with self._lock:
             self._pending -= len(batch)
-            if self._bulk and len(batch) == len(items) and all(filled) and index.keys().isdisjoint(keys):  # new
-                sizes = [n for _, n in items]
+            if self._bulk and len(batch) == len(keys) and all(filled) and index.keys().isdisjoint(keys):  # new
                 index.update(zip(keys, zip(batch.values(), sizes)))  # batch: item order (see _reserve_slots)
                 self._policy.insert_many(keys, sizes)
-                self._used += sum(sizes)
-                written = [True] * len(items)
+                total = sum(sizes)
+                self._used += total
+                written = [True] * len(keys)
                 batch = {}
+            else:
+                written = [False] * len(keys)
             for i, slot in batch.items():
-                key, nbytes = items[i]
+                key, nbytes = keys[i], sizes[i]
                 if not filled[i]:
                     self._arena.free(slot)
                     continue
@@ -277,10 +296,9 @@ class MemoryStore(Store):
                 used += nbytes
                 written[i] = True
             self._used += used
+        total += used
         ok, declined = sum(written), sum(1 for i in batch if not written[i])
-        self._count(
-            puts=ok, put_bytes=sum(n for (_, n), w in zip(items, written) if w), dropped_puts=len(items) - ok - declined
-        )
+        self._count(puts=ok, put_bytes=total, dropped_puts=len(keys) - ok - declined)
         return written
 
     def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
@@ -297,16 +315,18 @@ class MemoryStore(Store):
     def reserve(self, items: Sequence[tuple[bytes, int]]) -> Reservation:
         """Held slots for the values (None: no room, or a later item of the batch replaces or evicts
         that one), invisible until `publish`; `write_many` is reserve, fill, publish."""
-        keys = [check_key(key, self.max_key_bytes, self.url) for key, _ in items]
-        sizes = [int(n) for _, n in items]
-        for n in {n for n in sizes if n < 0 or n > self.max_entry_bytes}:  # a layout has few page sizes
+        keys, sizes = (list(column) for column in zip(*items)) if items else ([], [])
+        keys = check_keys(keys, self.max_key_bytes, self.url)
+        if not set(map(type, sizes)) <= {int}:
+            sizes = [int(n) for n in sizes]
+        for n in {n for n in set(sizes) if n < 0 or n > self.max_entry_bytes}:  # a layout has few page sizes
             if n < 0:
                 raise ValueError(f"a value size must not be negative, got {n}")
             raise EntryTooLargeError(
                 f"a {n}-byte value cannot fit in {self.url}: it takes entries up to {self.max_entry_bytes} "
                 f"bytes (capacity {self.capacity} bytes); raise the capacity"
             )
-        return self._reserve_slots(list(zip(keys, sizes)))
+        return self._reserve_slots(keys, sizes)
 
     # -- reads -----------------------------------------------------------------------------------
     def read_many(self, keys: Sequence[bytes], consume: Callable[[int, memoryview], None]) -> list[bool]:
@@ -323,6 +343,40 @@ class MemoryStore(Store):
     def acquire(self, keys: Sequence[bytes], *, touch: bool = True) -> list[Lease | None]:
         """Hold each present value in its slot (None for a miss) until `release`; do not write the views."""
         return self._hold(keys, touch, lease=True)
+
+    def acquire_batch(self, keys: Sequence[bytes], *, touch: bool = True) -> HeldBatch:
+        """`acquire` by host address: one lease holds the batch's slots (no view or lease per value)."""
+        keys = list(keys)
+        index, holds = self._index, self._holds
+        with self._lock:
+            entries = list(map(index.get, keys))
+            if None in entries:
+                found = [(-1, 0) if entry is None else entry for entry in entries]
+            else:
+                found = cast(list[tuple[int, int]], entries)
+            slots, sizes = (list(column) for column in zip(*found)) if found else ([], [])
+            held = [slot for slot in slots if slot >= 0]
+            if self._bulk and len(held) == len(set(held)) and holds.keys().isdisjoint(held):  # unheld, once each
+                holds.update(dict.fromkeys(held, 1))
+            else:
+                for slot in held:
+                    holds[slot] = holds.get(slot, 0) + 1
+            if touch:
+                self._policy.touch_many([key for key, slot in zip(keys, slots) if slot >= 0])
+            handle = next(_lease_ids)
+            self._batches[handle] = held
+            addresses = self._arena.addresses(slots)
+        if touch:
+            self._count(hits=len(held), misses=len(keys) - len(held), get_bytes=sum(sizes))
+        return HeldBatch(addresses, np.asarray(sizes, dtype=np.int64), handle)
+
+    def release_batch(self, held: HeldBatch) -> None:
+        with self._lock:
+            slots = self._batches.pop(cast(int, held.handle), None)
+            if slots is not None:
+                self._release_holds(slots)
+        if slots is None and not self._closed:
+            raise ValueError(f"a batch released twice or not acquired from {self.url}")
 
     def release(self, leases: Iterable[Lease | None]) -> None:
         """Give back leases (None entries and private copies are ignored). A lease released twice, or
@@ -381,7 +435,7 @@ class MemoryStore(Store):
     def close(self) -> None:
         """Drop every value and chunk (views still held elsewhere keep their own memory alive)."""
         with self._lock:
-            for table in (self._index, self._holds, self._leases):
+            for table in (self._index, self._holds, self._leases, self._batches):
                 table.clear()
             self._orphans.clear()
             self._arena.clear()

@@ -170,12 +170,24 @@ def test_the_arena_says_its_slots_addresses():
     store = open_store("memory://?capacity=1MiB")
     keys = [b"a", b"b", b"c"]
     reservation = store.reserve([(k, 5000) for k in keys])
-    assert reservation.addresses == [view.ctypes.data for view in reservation.destinations]
+    assert reservation.addresses is not None
+    addresses = reservation.addresses.tolist()
+    assert addresses == [view.ctypes.data for view in reservation.destinations]
+    assert reservation.filled_all() == [True] * 3
     assert store.publish(reservation, [True] * 3) == [True] * 3
     leases = store.acquire(keys + [b"missing"])
-    assert [lease.address for lease in leases[:3]] == reservation.addresses and leases[3] is None
+    assert [lease.address for lease in leases[:3]] == addresses and leases[3] is None
     assert all(lease.address == lease.view.ctypes.data for lease in leases[:3])
     store.release(leases)
+    # a batch held by address: the same addresses, a miss at 0, held until released (once)
+    held = store.acquire_batch([b"b", b"missing", b"a", b"b"])
+    assert held.addresses.tolist() == [addresses[1], 0, addresses[0], addresses[1]]
+    assert held.sizes.tolist() == [5000, 0, 5000, 5000]
+    assert store.stats()["held"] == 2
+    store.release_batch(held)
+    assert store.stats()["held"] == 0
+    with pytest.raises(ValueError, match="released twice"):
+        store.release_batch(held)
 
 
 @pytest.mark.skipif(not GPU, reason="a background save's fence needs a GPU")

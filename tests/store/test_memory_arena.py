@@ -13,6 +13,7 @@ import torch
 
 from kvoffload.store import EntryTooLargeError
 from kvoffload.store.arena import PAGE
+from kvoffload.store.base import HeldBatch
 from kvoffload.store.memory import MemoryStore
 
 KiB = 1024
@@ -422,15 +423,22 @@ def test_the_bulk_paths_hand_out_and_evict_what_the_per_value_path_does(evict):
                 reservation = store.reserve(list(zip(keys, sizes)))
                 flags = [d is not None for d in reservation.destinations]
                 store.publish(reservation, [False] + flags[1:] if unfilled else flags)
-            elif action < 0.8:
+            elif action < 0.7:
                 held[id(store)].append(store.acquire(keys))
+            elif action < 0.8:  # by address: one batch lease
+                batch = store.acquire_batch(keys)
+                slots = [store._index[k][0] if k in store._index else -1 for k in keys]
+                assert batch.addresses.tolist() == store._arena.addresses(slots).tolist()
+                held[id(store)].append(batch)
             elif action < 0.9 and held[id(store)]:
-                store.release(held[id(store)].pop(0))
+                leases = held[id(store)].pop(0)
+                store.release_batch(leases) if isinstance(leases, HeldBatch) else store.release(leases)
             else:
                 store.delete(keys[0])
         bulk += action < 0.6 and len(set(sizes)) == 1 and len(set(keys)) == len(keys)
         assert fast._index == slow._index and fast._holds == slow._holds, step
         assert fast._orphans == slow._orphans and sorted(fast._leases.values()) == sorted(slow._leases.values())
+        assert sorted(map(sorted, fast._batches.values())) == sorted(map(sorted, slow._batches.values()))
     assert fast.stats() == slow.stats() and fast.stats()["evictions"] > 50 and bulk > 50
     if evict == "lru":
         assert list(fast._policy._order) == list(slow._policy._order)

@@ -130,7 +130,7 @@ def hit_blocks(
     layout: LayoutView, block_keys: Sequence[bytes], num_prompt_tokens: int, contains: Contains, start: int = 0
 ) -> int:
     """How many leading blocks a store can restore on every TP rank (>= `start`, the blocks the engine
-    already holds; returns `start` when the store adds nothing). One batched presence query."""
+    already holds; returns `start` when the store adds nothing). See `hit_and_junction`."""
     return hit_and_junction(layout, block_keys, num_prompt_tokens, contains, start)[0]
 
 
@@ -140,26 +140,40 @@ def hit_and_junction(
     """`hit_blocks`, and the junction: where the leading run of blocks whose PAGED pages are all stored
     ends (aligned down), when that is past the hit, else 0. There a stored prefix lacks the checkpoint
     this prompt would need: another request stored those blocks and diverged later, so the boundary is
-    a proven shared prefix (`retention`'s `junction` rule keeps its checkpoint). One query, as above."""
+    a proven shared prefix (`retention`'s `junction` rule keeps its checkpoint).
+
+    One batched presence query asks for every PAGED page and the checkpoint at the last aligned
+    boundary (the whole prefix restored: the common hit); only when that checkpoint is missing does a
+    second query ask for the checkpoints of the boundaries below, up to where the PAGED run ends. A
+    long prefix's lookup derives a checkpoint key per boundary only then (a key is a hash: thousands
+    of them are a restart's first restore's largest host cost)."""
     limit = min(max_hit_blocks(layout, num_prompt_tokens), len(block_keys))
     if limit <= start:
         return start, 0
-    blocks = range(start, limit)
-    paged = every_rank_keys(layout, block_keys, [(i, g) for i in blocks for g in _groups(layout, GroupKind.PAGED)])
-    state = every_rank_keys(layout, block_keys, [(i, g) for i in blocks for g in _groups(layout, GroupKind.STATE)])
-    found = iter(contains([*paged, *state]))  # in that order: the paged answers, then the state ones
-    paged_ok, state_ok = [True] * (limit - start), [True] * (limit - start)  # per block: every page there
-    for ok, pages in ((paged_ok, paged), (state_ok, state)):
-        for index, there in zip(pages.values(), found):
-            if not there:
-                ok[index - start] = False
-    blocks_per_step = layout.hit_alignment // layout.block_size
-    best, i = start, start
-    while i < limit and paged_ok[i - start]:
-        i += 1
-        if i % blocks_per_step == 0 and state_ok[i - 1 - start]:
-            best = i
-    junction = i // blocks_per_step * blocks_per_step
+    step = layout.hit_alignment // layout.block_size  # blocks per aligned boundary
+    state_groups = _groups(layout, GroupKind.STATE)
+
+    def checkpoint_keys(ends: Iterable[int]) -> dict[bytes, int]:  # every rank's, of the boundaries -> block index
+        return every_rank_keys(layout, block_keys, [(end - 1, g) for end in ends for g in state_groups])
+
+    def held(keys: dict[bytes, int], answers: Iterable[bool]) -> set[int]:
+        """The boundaries (block counts) among `keys`' whose checkpoints are all stored."""
+        ends = {index + 1 for index in keys.values()}
+        return ends - {index + 1 for index, there in zip(keys.values(), answers) if not there}
+
+    paged = every_rank_keys(
+        layout, block_keys, [(i, g) for i in range(start, limit) for g in _groups(layout, GroupKind.PAGED)]
+    )
+    top = limit // step * step  # the last aligned boundary: the whole prefix, if it is there
+    first = checkpoint_keys([top] if top > start else [])
+    answers = contains([*paged, *first])
+    run = min((index for index, there in zip(paged.values(), answers) if not there), default=limit)
+    best = max(held(first, answers[len(paged) :]) & {top} if run >= top else set(), default=start)
+    if best == start:  # not the whole prefix: the checkpoints of the boundaries below, up to the run's end
+        below = checkpoint_keys(end for end in range(run // step * step, start, -step) if end != top)
+        if below:
+            best = max(held(below, contains(list(below))), default=start)
+    junction = run // step * step
     return best, junction if junction > best else 0
 
 

@@ -8,6 +8,7 @@ changes the chain from its first block; a key names its whole prefix, not just i
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 
@@ -110,8 +111,10 @@ def shard_key(block_key: bytes, tp_rank: int, tp_size: int, tp_replicas: int = 1
     return page_key(block_key, f"tp-shard{tp_rank // tp_replicas}/{shards}/{tp_size}")
 
 
+@functools.lru_cache(maxsize=1 << 15)
 def page_key(block_key: bytes, group: str) -> bytes:
-    """The store key of one group's page (or checkpoint) for the prefix a block key names."""
+    """The store key of one group's page (or checkpoint) for the prefix a block key names. Remembered
+    for the last 32k pages: a lookup and the load after it name the same pages (a hash each)."""
     name = group.encode()
     h = _PAGE_HASH.copy()
     h.update(len(block_key).to_bytes(8, "little") + block_key + len(name).to_bytes(8, "little") + name)  # _framed

@@ -53,4 +53,9 @@ def test_hit_blocks_follows_the_rule_on_random_patterns(tp_size):
 
         got = hit_blocks(layout, keys, prompt_tokens, contains, start)
         assert got == _reference(layout, keys, prompt_tokens, present, start), (trial, missing, start)
-        assert len(calls) <= 1  # one batched presence query
+        # one batched presence query; a second (checkpoints below) only when the whole prefix is no hit
+        limit = min(max_hit_blocks(layout, prompt_tokens), len(keys))
+        top = limit * layout.block_size // layout.hit_alignment * layout.hit_alignment // layout.block_size
+        assert len(calls) == 1 if got == top > start else len(calls) <= 2
+        queried = [key for query in calls for key in query]
+        assert len(queried) == len(set(queried))  # no key asked twice

@@ -97,6 +97,7 @@ class DeviceTransfer:
         )
         self._slots: dict[tuple[str, int], _Slot] = {}
         self._templates: dict[int, tuple] = {}
+        self._words: dict[tuple[int, ...], tuple] = {}  # groups (ids) -> (the groups, the word they move in)
         self.warm_up_s: float | None = None  # the warm start's cost, once `warm_up` ran
 
     def warm_up(self, groups: Sequence[CacheGroup]) -> float:
@@ -134,12 +135,19 @@ class DeviceTransfer:
 
     def _word_floor(self, groups: Sequence[CacheGroup]) -> int:
         """The smallest word any batch of these groups' spans can be moved in (the gcd of every offset,
-        stride and length, with the buffer's and the slots' sizes)."""
+        stride and length, with the buffer's and the slots' sizes); found once per set of groups."""
+        known = tuple(map(id, groups))
+        entry = self._words.get(known)
+        if entry is not None and all(a is b for a, b in zip(entry[0], groups)):
+            return entry[1]
         g = math.gcd(self.buffer.storage_offset(), self.buffer.numel(), self.staging_bytes)
         for group in groups:
             base, stride, length, rel = self._template(group)
-            g = math.gcd(g, group.used_bytes_per_block, int(np.gcd.reduce(np.concatenate([base, stride, length, rel]))))
-        return next(w for w in (8, 4, 2, 1) if g % w == 0)
+            spans = np.concatenate([base, stride, length, rel])
+            g = math.gcd(g, group.used_bytes_per_block, int(np.gcd.reduce(spans)))
+        word = next(w for w in (8, 4, 2, 1) if g % w == 0)
+        self._words[known] = (tuple(groups), word)  # the groups kept: an id is unique while they live
+        return word
 
     # -- batches and staging -------------------------------------------------------------------------
     def batches(self, items: Sequence[Page]) -> list[Sequence[Page]]:
@@ -253,8 +261,9 @@ class DeviceTransfer:
         page_at = np.cumsum(sizes) - sizes
         blocks = np.fromiter(map(_BLOCK, items), np.int64, len(items))
         spans, lengths, at = self._group_spans(groups, which, blocks, page_at)
-        order = np.argsort(at, kind="stable")
-        spans, lengths, at = spans[order], lengths[order], at[order]
+        if len(groups) > 1:  # one group's spans come in staging order already
+            order = np.argsort(at, kind="stable")
+            spans, lengths, at = spans[order], lengths[order], at[order]
         cuts = self._cuts(sizes)
         span_cuts = np.searchsorted(at, page_at[cuts[:-1]]).tolist() + [len(at)]
         return sizes, page_at, spans, lengths, at, cuts, span_cuts, self._word_floor(groups)

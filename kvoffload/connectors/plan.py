@@ -156,23 +156,25 @@ def hit_and_junction(
     def checkpoint_keys(ends: Iterable[int]) -> dict[bytes, int]:  # every rank's, of the boundaries -> block index
         return every_rank_keys(layout, block_keys, [(end - 1, g) for end in ends for g in state_groups])
 
-    def held(keys: dict[bytes, int], answers: Iterable[bool]) -> set[int]:
-        """The boundaries (block counts) among `keys`' whose checkpoints are all stored."""
-        ends = {index + 1 for index in keys.values()}
-        return ends - {index + 1 for index, there in zip(keys.values(), answers) if not there}
+    def held(ends: list[int], keys: dict[bytes, int], answers: Sequence[bool]) -> set[int]:
+        """The boundaries among `ends` whose checkpoints (`keys`, present per `answers`) are all stored
+        (all of them where the layout has no STATE group)."""
+        return set(ends) - {index + 1 for index, there in zip(keys.values(), answers) if not there}
 
     paged = every_rank_keys(
         layout, block_keys, [(i, g) for i in range(start, limit) for g in _groups(layout, GroupKind.PAGED)]
     )
     top = limit // step * step  # the last aligned boundary: the whole prefix, if it is there
-    first = checkpoint_keys([top] if top > start else [])
+    tops = [top] if top > start else []
+    first = checkpoint_keys(tops)
     answers = contains([*paged, *first])
     run = min((index for index, there in zip(paged.values(), answers) if not there), default=limit)
-    best = max(held(first, answers[len(paged) :]) & {top} if run >= top else set(), default=start)
-    if best == start:  # not the whole prefix: the checkpoints of the boundaries below, up to the run's end
-        below = checkpoint_keys(end for end in range(run // step * step, start, -step) if end != top)
-        if below:
-            best = max(held(below, contains(list(below))), default=start)
+    if run >= top and top in held(tops, first, answers[len(paged) :]):
+        best = top
+    else:  # not the whole prefix: the checkpoints of the boundaries below, up to the run's end
+        ends = [end for end in range(run // step * step, start, -step) if end != top]
+        below = checkpoint_keys(ends)
+        best = max(held(ends, below, contains(list(below)) if below else []), default=start)
     junction = run // step * step
     return best, junction if junction > best else 0
 

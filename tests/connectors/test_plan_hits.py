@@ -10,9 +10,11 @@ from kvoffload.spec import GroupKind, KeyChain
 from kvoffload.spec.layout import KindsGroup, KindsLayout
 
 
-def _layout(tp_size: int) -> KindsLayout:
+def _layout(tp_size: int, hybrid: bool = True) -> KindsLayout:
     groups = (KindsGroup(0, GroupKind.STATE, "kda", 1), KindsGroup(1, GroupKind.PAGED, "mla", tp_size),
               KindsGroup(2, GroupKind.PAGED, "own", 1))
+    if not hybrid:  # attention only (a llama): a boundary needs no checkpoint
+        groups = groups[1:]
     return KindsLayout(block_size=4, hit_alignment=8, kinds=(GroupKind.STATE, GroupKind.PAGED, GroupKind.PAGED,
                                                            GroupKind.SKIP), cacheable_groups=groups, tp_size=tp_size)
 
@@ -33,9 +35,10 @@ def _reference(layout, keys, prompt_tokens, present, start):
     return best
 
 
+@pytest.mark.parametrize("hybrid", [True, False])
 @pytest.mark.parametrize("tp_size", [1, 2])
-def test_hit_blocks_follows_the_rule_on_random_patterns(tp_size):
-    layout = _layout(tp_size)
+def test_hit_blocks_follows_the_rule_on_random_patterns(tp_size, hybrid):
+    layout = _layout(tp_size, hybrid)
     rng = random.Random(tp_size)
     keys = KeyChain(b"fp", layout.block_size).keys(list(range(4 * 24)))
     every = [page(layout, k, g, i, rank).key for i, k in enumerate(keys) for g in layout.cacheable_groups

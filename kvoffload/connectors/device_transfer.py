@@ -28,6 +28,7 @@ import torch
 
 from ..spec import CacheGroup
 from ..store import Store
+from ..store.arena import PAGE as SLOT_ALIGN
 from ..store.base import HeldBatch, host_address
 from .host_runs import host_tensor, runs
 from .plan import Page
@@ -255,16 +256,19 @@ class DeviceTransfer:
                 stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def _plan(self, items: Sequence[Page]):
-        """Page sizes and offsets (back to back), every span of every page sorted by its place in the
-        staging order, the batch cuts over pages and over spans, and the word they all move in."""
+        """Page sizes and offsets (each at a multiple of the arena's slot size, so pages in adjacent
+        slots are adjacent in staging too: one DMA for both), every span of every page sorted by its
+        place in the staging order, the batch cuts over pages and over spans, and the word they all
+        move in."""
         groups, which, sizes = self._columns(items)
-        page_at = np.cumsum(sizes) - sizes
+        spaced = -(-sizes // SLOT_ALIGN) * SLOT_ALIGN
+        page_at = np.cumsum(spaced) - spaced
         blocks = np.fromiter(map(_BLOCK, items), np.int64, len(items))
         spans, lengths, at = self._group_spans(groups, which, blocks, page_at)
         if len(groups) > 1:  # one group's spans come in staging order already
             order = np.argsort(at, kind="stable")
             spans, lengths, at = spans[order], lengths[order], at[order]
-        cuts = self._cuts(sizes)
+        cuts = self._cuts(spaced)
         span_cuts = np.searchsorted(at, page_at[cuts[:-1]]).tolist() + [len(at)]
         return sizes, page_at, spans, lengths, at, cuts, span_cuts, self._word_floor(groups)
 
@@ -394,10 +398,10 @@ class DeviceTransfer:
                     slot.filled.record()
                 with torch.cuda.stream(copies):
                     copies.wait_event(slot.filled)
-                    addresses = reservation.addresses
+                    addresses, room = reservation.addresses, reservation.room
                     if addresses is None:
                         addresses = [0 if out is None else host_address(out) for out in reservation.destinations]
-                    for address, offset, n in runs(addresses, sizes[first:end], page_at[first:end] - base):
+                    for address, offset, n in runs(addresses, sizes[first:end], page_at[first:end] - base, room):
                         host_tensor(address, n).copy_(slot.device[offset : offset + n], non_blocking=True)
                     slot.done.record()
                 if pending is not None:
@@ -478,7 +482,7 @@ class DeviceTransfer:
                 keep = ok[span_page[a:b] - first]
                 with torch.cuda.stream(copies):
                     for address, offset, n in runs(
-                        np.where(ok, held.addresses, 0), sizes[first:end], page_at[first:end] - base
+                        np.where(ok, held.addresses, 0), sizes[first:end], page_at[first:end] - base, held.room
                     ):
                         slot.device[offset : offset + n].copy_(host_tensor(address, n), non_blocking=True)
                     slot.filled.record()

@@ -10,17 +10,29 @@ import numpy as np
 import torch
 
 
-def runs(addresses: Sequence[int] | np.ndarray, sizes: np.ndarray, offsets: np.ndarray) -> list[tuple[int, int, int]]:
-    """(host address, staging offset, length) of each run of pages adjacent both in host memory (arena
-    slots carved in order) and in staging: one DMA per run instead of one per page. A page at address 0
-    (a miss, no room) is skipped. Vectorised: a batch of small pages costs no Python per page here."""
+def runs(
+    addresses: Sequence[int] | np.ndarray,
+    sizes: np.ndarray,
+    offsets: np.ndarray,
+    room: np.ndarray | None = None,
+) -> list[tuple[int, int, int]]:
+    """(host address, staging offset, length) of each run of pages adjacent both in host memory and in
+    staging: one DMA per run instead of one per page. Pages are adjacent when the step to the next one
+    is the same in host memory and in staging and lies within the first one's `room` (its arena slot,
+    default: its size): the bytes between two pages are then the first slot's own padding and staging
+    that nobody uses, so pages whose size is not a multiple of the slot's still join. A page at address
+    0 (a miss, no room) is skipped. Vectorised: a batch of small pages costs no Python per page here."""
     at = np.asarray(addresses, dtype=np.int64)
     keep = (at != 0) & (sizes > 0)
     at, n, o = at[keep], sizes[keep], offsets[keep]
     if not len(at):
         return []
-    starts = np.flatnonzero(np.concatenate(([True], (at[:-1] + n[:-1] != at[1:]) | (o[:-1] + n[:-1] != o[1:]))))
-    return list(zip(at[starts].tolist(), o[starts].tolist(), np.add.reduceat(n, starts).tolist()))
+    fits = n if room is None else np.asarray(room, dtype=np.int64)[keep]
+    step = at[1:] - at[:-1]
+    joined = (step == o[1:] - o[:-1]) & (step >= n[:-1]) & (step <= fits[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~joined)))
+    ends = np.append(starts[1:], len(at)) - 1  # each run's last page
+    return list(zip(at[starts].tolist(), o[starts].tolist(), (o[ends] + n[ends] - o[starts]).tolist()))
 
 
 class _HostMemory:

@@ -114,13 +114,14 @@ class Arena:
         start = (slot & SLOT_MASK) * chunk.slot_bytes
         return chunk.array[start : start + nbytes], chunk.address + start
 
-    def addresses(self, slots: Sequence[int]) -> np.ndarray:
-        """The host address of each slot (-1: none, address 0), vectorised: a batch has few chunks."""
+    def locate(self, slots: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The host address and the size of each slot (-1: none, 0 and 0), vectorised: a batch has few
+        chunks."""
         at = np.asarray(slots, dtype=np.int64)
         ids, inverse = np.unique(np.where(at < 0, -1, at >> SHIFT), return_inverse=True)
         base = np.array([self.chunks[i].address if i >= 0 else 0 for i in ids.tolist()], dtype=np.int64)
         step = np.array([self.chunks[i].slot_bytes if i >= 0 else 0 for i in ids.tolist()], dtype=np.int64)
-        return base[inverse] + (at & SLOT_MASK) * step[inverse]
+        return base[inverse] + (at & SLOT_MASK) * step[inverse], step[inverse]
 
     def take(self, cls: int) -> int | None:
         """A slot of class `cls`: a free one, a new chunk's, or None (then `cls` is starved)."""

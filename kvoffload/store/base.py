@@ -35,6 +35,7 @@ class Reservation:
     destinations: Sequence[np.ndarray | None]
     handle: object = None  # the tier's
     addresses: np.ndarray | None = None  # int64
+    room: np.ndarray | None = None  # int64, with `addresses`: bytes each may take (its slot: >= its value)
 
     def filled_all(self) -> list[bool]:
         """Every value that has a destination: the flags to publish once all of them were written."""
@@ -62,6 +63,7 @@ class HeldBatch(NamedTuple):
     addresses: np.ndarray  # int64 per key: the value's host address, 0 for a miss
     sizes: np.ndarray  # int64 per key: its bytes, 0 for a miss
     handle: object  # the tier's, for `release_batch`
+    room: np.ndarray | None = None  # int64 per key: bytes readable at its address (its slot: >= its size)
 
 
 def host_address(view: np.ndarray, known: int = 0) -> int:

@@ -257,14 +257,14 @@ class MemoryStore(Store):
                     if slot is not None:
                         batch[i], latest[key] = slot, i
             slots = list(batch.values()) if start == len(keys) else [batch.get(i, -1) for i in range(len(keys))]
-            addresses = self._arena.addresses(slots)
+            addresses, room = self._arena.locate(slots)
             self._pending += len(batch)
         if evicted:
             self._count(evictions=len(evicted), evicted_bytes=sum(map(itemgetter(1), evicted)))
             if self._on_evict is not None:  # a key this batch writes again is not gone
                 self._report_evicted(list({k for k, _ in evicted}.difference(keys)))
         handle = _Batch(batch, keys, sizes)
-        return Reservation(list(zip(keys, sizes)), SlotViews(self._arena, slots, sizes), handle, addresses)
+        return Reservation(list(zip(keys, sizes)), SlotViews(self._arena, slots, sizes), handle, addresses, room)
 
     def publish(self, reservation: Reservation, filled: Sequence[bool]) -> list[bool]:
         """Index the slots `filled` marks (replacing older values of their keys), free the others."""
@@ -365,10 +365,10 @@ class MemoryStore(Store):
                 self._policy.touch_many([key for key, slot in zip(keys, slots) if slot >= 0])
             handle = next(_lease_ids)
             self._batches[handle] = held
-            addresses = self._arena.addresses(slots)
+            addresses, room = self._arena.locate(slots)
         if touch:
             self._count(hits=len(held), misses=len(keys) - len(held), get_bytes=sum(sizes))
-        return HeldBatch(addresses, np.asarray(sizes, dtype=np.int64), handle)
+        return HeldBatch(addresses, np.asarray(sizes, dtype=np.int64), handle, room)
 
     def release_batch(self, held: HeldBatch) -> None:
         with self._lock:

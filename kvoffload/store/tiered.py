@@ -152,7 +152,7 @@ class TieredStore(Store):
         for key, _ in items:  # the keys, against the back's limits
             check_key(key, self.max_key_bytes, self.url)
         front = self.front.reserve(items)
-        return Reservation(items, front.destinations, front, front.addresses)
+        return Reservation(items, front.destinations, front, front.addresses, front.room)
 
     def publish(self, reservation: Reservation, filled: Sequence[bool]) -> list[bool]:
         handle = reservation.handle

@@ -162,6 +162,14 @@ def test_adjacent_arena_slots_move_in_one_copy():
     # adjacent in the arena and in staging: one run; a gap in either breaks it
     assert _runs(addresses, sizes, offsets) == [(base, 0, 16), (base + 32, 24, 8), (base + 40, 40, 4)]
     assert _runs([0, 0], sizes[:2], offsets[:2]) == []
+    # pages smaller than their slots (room): joined where the step is the same in host memory and in
+    # staging and lies within the first page's slot; never across a step beyond it or inside a page
+    addresses = [base, base + 16, base + 32, base + 48]
+    sizes, offsets = np.array([10, 10, 10, 10]), np.array([0, 16, 32, 40])
+    room = np.array([16, 16, 16, 16])
+    assert _runs(addresses, sizes, offsets) == [(base, 0, 10), (base + 16, 16, 10), (base + 32, 32, 10), (base + 48, 40, 10)]
+    assert _runs(addresses, sizes, offsets, room) == [(base, 0, 42), (base + 48, 40, 10)]
+    assert _runs(addresses, sizes, offsets, np.array([12, 16, 16, 16])) == [(base, 0, 10), (base + 16, 16, 26), (base + 48, 40, 10)]
 
 
 def test_the_arena_says_its_slots_addresses():

@@ -428,7 +428,7 @@ def test_the_bulk_paths_hand_out_and_evict_what_the_per_value_path_does(evict):
             elif action < 0.8:  # by address: one batch lease
                 batch = store.acquire_batch(keys)
                 slots = [store._index[k][0] if k in store._index else -1 for k in keys]
-                assert batch.addresses.tolist() == store._arena.addresses(slots).tolist()
+                assert batch.addresses.tolist() == store._arena.locate(slots)[0].tolist()
                 held[id(store)].append(batch)
             elif action < 0.9 and held[id(store)]:
                 leases = held[id(store)].pop(0)

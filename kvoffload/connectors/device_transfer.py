@@ -2,14 +2,14 @@
 on the device into one staging buffer by one kernel (`span_copy`), then cross the link in one copy to
 pinned host memory; loads go the other way. Saves and loads run on their own streams, ordered after
 the compute that wrote the blocks (saves) or before the compute that reads them (loads) by stream
-waits and events, so compute is never stalled by the host. Two staging slots per direction let the
-next batch move while the store takes the last one.
+waits and events, so compute is never stalled by the host. Several staging slots per direction let the
+next batches move while the store takes the last one.
 
-Warm start (`warm_up`, run by the `Offloader` that owns the transfer, so at an engine's start): the four
-staging slots, their tile tables, the copy kernel for every word size the layout's spans can use and the
-wrapping of host memory by address are made before the first request. Made lazily, they cost the first
-restore of a process (the restart that offload exists for) some 100-200 ms: page-locking 512 MiB and
-compiling kernels.
+Warm start (`warm_up`, run by the `Offloader` that owns the transfer, so at an engine's start): the
+staging slots (`STAGING_SLOTS` per direction), their tile tables, the copy kernel for every word size
+the layout's spans can use and the wrapping of host memory by address are made before the first
+request. Made lazily, they cost the first restore of a process (the restart that offload exists for)
+some 100-200 ms: page-locking 768 MiB and compiling kernels.
 
 Only torch's stream, event and pinned-memory calls are used: on ROCm builds of torch they are HIP's.
 On a CPU buffer the same code runs without streams (used by the tests on machines without a GPU)."""
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from operator import attrgetter
@@ -29,7 +30,7 @@ import torch
 from ..spec import CacheGroup
 from ..store import Store
 from ..store.arena import PAGE as SLOT_ALIGN
-from ..store.base import HeldBatch, host_address
+from ..store.base import HeldBatch, Reservation, host_address
 from .host_runs import host_tensor, runs
 from .plan import Page
 from .span_copy import TILE_WORDS, SpanCopier, TileTable
@@ -37,7 +38,11 @@ from .span_copy import TILE_WORDS, SpanCopier, TileTable
 _T = TypeVar("_T")
 _GROUP, _BLOCK = attrgetter("group"), attrgetter("block")
 
-DEFAULT_STAGING_BYTES = 128 << 20  # per slot; two slots per direction, made by `warm_up`
+DEFAULT_STAGING_BYTES = 128 << 20  # per slot, made by `warm_up`
+# Staging slots per direction: batches in flight into and out of the arena (the host waits for the oldest
+# while the others' copies run: a DMA queued ahead covers the host's bookkeeping and a GIL hand-over to a
+# transfer on another thread). Two suffice for a transfer through host staging (`_staged`).
+STAGING_SLOTS = 3
 # Pages per batch at most: a batch's host work (slots, leases, publication) overlaps the neighbouring
 # batch's DMA, so small pages (72 KiB: ~1.4 us of DMA each) want several batches, not two; each batch
 # also costs ~0.1-0.3 ms of fixed host work. On the H200 (2,048 72 KiB pages): 512 moved them fastest
@@ -111,7 +116,7 @@ class DeviceTransfer:
             size = max(self.staging_bytes, max(g.used_bytes_per_block for g in groups))
             rows = max(self._tile_rows(g) for g in groups)
             for direction in ("save", "load"):
-                for index in (0, 1):
+                for index in range(STAGING_SLOTS):
                     slot = self._slot(direction, index, size)
                     _gpu_only(slot.table).reserve(rows)
             slot = self._slots[("save", 0)]
@@ -368,28 +373,24 @@ class DeviceTransfer:
 
     def _save_in_place(self, store: Store, pages: Sequence[Page], after) -> list[bool]:
         """Per staging batch: reserve arena slots, gather on the device, copy by DMA straight into the
-        slots (one copy per run of adjacent slots). The next batch's slots are reserved, and the last
-        batch's published, while this batch's copies run: the host's bookkeeping hides behind the link.
-        Kernels and copies have their own streams, so a gather overlaps the previous batch's DMA."""
+        slots (one copy per run of adjacent slots). Up to `STAGING_SLOTS` batches are in flight: a batch
+        is published once its copies are done, while the next ones' copies run, so the link stays busy
+        while the host reserves, publishes or waits for the GIL (a load on another thread). Kernels and
+        copies have their own streams, so a gather overlaps the previous batch's DMA."""
         if not pages:
             return []
         sizes, page_at, spans, lengths, at, cuts, span_cuts, word = self._plan(pages)
         self._wait("save_kernel", after)
         kernels, copies = self.streams["save_kernel"], self.streams["save"]
-        batches = list(zip(cuts, cuts[1:]))
         keys, size_list = [item.key for item in pages], sizes.tolist()
-
-        def reserve(k: int):
-            first, end = batches[k]
-            return store.reserve(list(zip(keys[first:end], size_list[first:end])))
-
         written: list[bool] = []
-        pending = None  # the batch before: (its reservation, its slot's event)
-        reservation = reserve(0)
+        in_flight: deque[tuple[Reservation, torch.cuda.Event]] = deque()  # oldest first
+        reservation: Reservation | None = None
         try:
-            for k, (first, end) in enumerate(batches):
+            for k, (first, end) in enumerate(zip(cuts, cuts[1:])):
+                reservation = store.reserve(list(zip(keys[first:end], size_list[first:end])))
                 base = int(page_at[first])
-                slot = self._slot("save", k % 2, int(page_at[end - 1] + sizes[end - 1]) - base)
+                slot = self._slot("save", k % STAGING_SLOTS, int(page_at[end - 1] + sizes[end - 1]) - base)
                 a, b = span_cuts[k], span_cuts[k + 1]
                 with torch.cuda.stream(kernels):
                     self.copier.move(
@@ -398,24 +399,26 @@ class DeviceTransfer:
                     slot.filled.record()
                 with torch.cuda.stream(copies):
                     copies.wait_event(slot.filled)
-                    addresses, room = reservation.addresses, reservation.room
+                    room = reservation.room
+                    addresses = reservation.addresses
                     if addresses is None:
-                        addresses = [0 if out is None else host_address(out) for out in reservation.destinations]
+                        addresses = np.asarray(
+                            [0 if out is None else host_address(out) for out in reservation.destinations], np.int64
+                        )
                     for address, offset, n in runs(addresses, sizes[first:end], page_at[first:end] - base, room):
                         host_tensor(address, n).copy_(slot.device[offset : offset + n], non_blocking=True)
                     slot.done.record()
-                if pending is not None:
-                    written += self._publish(store, *pending)
-                pending, reservation = (reservation, slot.done), None
-                if k + 1 < len(batches):
-                    reservation = reserve(k + 1)
+                in_flight.append((reservation, slot.done))
+                reservation = None
+                if len(in_flight) == STAGING_SLOTS:  # the oldest batch: published once copied
+                    written += self._publish(store, *in_flight.popleft())
         finally:
             if reservation is not None:  # an error while copying into it: give its slots back, unwritten
                 copies.synchronize()
                 store.publish(reservation, [False] * len(reservation.items))
-            if pending is not None:
-                written += self._publish(store, *pending)
-        if len(batches) > 1 and any(written):  # a later batch may have evicted an earlier one's pages
+            while in_flight:
+                written += self._publish(store, *in_flight.popleft())
+        if len(cuts) > 2 and any(written):  # a later batch may have evicted an earlier one's pages
             kept = iter(store.contains_many([pages[i].key for i, ok in enumerate(written) if ok]))
             written = [ok and next(kept) for ok in written]
         return written
@@ -457,9 +460,9 @@ class DeviceTransfer:
 
     def _load_in_place(self, store: Store, pages: Sequence[Page], after) -> list[bool]:
         """Per staging batch: hold its pages in their arena slots (one batch lease, by address), copy them
-        by DMA (one copy per run of adjacent slots) into device staging, scatter. The next batch is
-        acquired, and the last one given back, while this batch's copies run. Copies and kernels have
-        their own streams; the spans of every batch are planned at once."""
+        by DMA (one copy per run of adjacent slots) into device staging, scatter. Up to `STAGING_SLOTS`
+        batches are in flight: a batch is given back once its copies are done, while the next ones'
+        run. Copies and kernels have their own streams; the spans of every batch are planned at once."""
         if not pages:
             return []
         self._wait("load", after)
@@ -469,15 +472,15 @@ class DeviceTransfer:
         span_page = np.searchsorted(page_at, at, side="right") - 1  # the page each span belongs to
         keys = [item.key for item in pages]
         arrived = np.zeros(len(pages), dtype=bool)
-        pending = None  # the batch before: (its batch lease, its staged event)
-        held: HeldBatch | None = store.acquire_batch(keys[: cuts[1]])
+        in_flight: deque[tuple[HeldBatch, torch.cuda.Event]] = deque()  # oldest first
+        held: HeldBatch | None = None
         try:
             for k, (first, end) in enumerate(zip(cuts, cuts[1:])):
-                assert held is not None  # acquired for this batch (before the loop, or by the last iteration)
+                held = store.acquire_batch(keys[first:end])
                 ok = held.sizes == sizes[first:end]  # a miss (size 0) or a value of another size is not moved
                 arrived[first:end] = ok
                 base = int(page_at[first])
-                slot = self._slot("load", k % 2, int(page_at[end - 1] + sizes[end - 1]) - base)
+                slot = self._slot("load", k % STAGING_SLOTS, int(page_at[end - 1] + sizes[end - 1]) - base)
                 a, b = span_cuts[k], span_cuts[k + 1]
                 keep = ok[span_page[a:b] - first]
                 with torch.cuda.stream(copies):
@@ -493,16 +496,16 @@ class DeviceTransfer:
                         gather=False, word=word,
                     )  # fmt: skip
                     slot.done.record()
-                if pending is not None:
-                    pending[1].synchronize()  # its slots are read: they may be given back
-                    store.release_batch(pending[0])
-                pending, held = (held, slot.filled), None
-                if k + 2 < len(cuts):
-                    held = store.acquire_batch(keys[end : cuts[k + 2]])
+                in_flight.append((held, slot.filled))
+                held = None
+                if len(in_flight) == STAGING_SLOTS:  # the oldest batch's slots are read: given back
+                    oldest, filled = in_flight.popleft()
+                    filled.synchronize()
+                    store.release_batch(oldest)
             kernels.synchronize()  # scattered: compute may read the blocks
         finally:
             copies.synchronize()
-            for batch in (held, pending[0] if pending is not None else None):
+            for batch in [held, *(lease for lease, _ in in_flight)]:
                 if batch is not None:
                     store.release_batch(batch)
         return arrived.tolist()

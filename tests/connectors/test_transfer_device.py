@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvoffload import open_store
-from kvoffload.connectors.device_transfer import DeviceTransfer
+from kvoffload.connectors.device_transfer import STAGING_SLOTS, DeviceTransfer
 from kvoffload.connectors.plan import Page
 from kvoffload.connectors.span_copy import SpanCopier, word_size
 from kvoffload.connectors.transfer import HostTransfer, Transfer, make_transfer
@@ -239,7 +239,7 @@ def test_after_warm_up_the_first_save_and_load_make_nothing(use_triton):
     transfer = _transfer(source, use_triton, staging_bytes=3 * paged.used_bytes_per_block)
     transfer.warm_up([paged, state])
     made = {where: (slot, slot.host.data_ptr(), slot.table.host.data_ptr()) for where, slot in transfer._slots.items()}
-    assert set(made) == {(d, i) for d in ("save", "load") for i in (0, 1)}
+    assert set(made) == {(d, i) for d in ("save", "load") for i in range(STAGING_SLOTS)}
     items = [Page(f"k{g.name}{b}".encode(), g, b, b) for b in range(3, 20) for g in (paged, state)]
     store = open_store("memory://?capacity=4MiB&pinned=auto")
     before = HostTransfer(source.cpu())

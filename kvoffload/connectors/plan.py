@@ -161,9 +161,8 @@ def hit_and_junction(
         (all of them where the layout has no STATE group)."""
         return set(ends) - {index + 1 for index, there in zip(keys.values(), answers) if not there}
 
-    paged = every_rank_keys(
-        layout, block_keys, [(i, g) for i in range(start, limit) for g in _groups(layout, GroupKind.PAGED)]
-    )
+    paged_groups = _groups(layout, GroupKind.PAGED)
+    paged = every_rank_keys(layout, block_keys, [(i, g) for i in range(start, limit) for g in paged_groups])
     top = limit // step * step  # the last aligned boundary: the whole prefix, if it is there
     tops = [top] if top > start else []
     first = checkpoint_keys(tops)

@@ -10,10 +10,12 @@ tells it of every insert, hit and removal, and asks it for a victim nobody holds
 Batches of small pages (thousands of 72 KiB pages a save) are the hot path: a batch of one size class
 whose keys are all new takes its slots a chunk at a time and, when full, its LRU victims at once
 (`_reserve_run`); its publication and a lease batch of present, unheld keys are bulk dict operations.
-Anything else takes the per-value path; both hand out the same slots and evict the same keys.
+Anything else takes the per-value path; both hand out the same slots and evict the same keys. A device
+copies by address: a reservation's addresses come vectorised (`Arena.locate`, no view per slot unless
+`destinations` is read), and `acquire_batch` holds a load's batch with one lease, by address.
 
-A slot can be held: by a reader while it consumes, by a lease (`acquire`) until `release`, by a
-`write_many` while its caller fills it. Held bytes are never evicted, reused or overwritten; a key
+A slot can be held: by a reader while it consumes, by a lease (`acquire`, or one for a whole batch:
+`acquire_batch`) until `release` (`release_batch`), by a `write_many` while its caller fills it. Held bytes are never evicted, reused or overwritten; a key
 evicted, replaced or deleted while its slot is held leaves the index at once, and the slot is freed
 when its last holder lets go.
 

@@ -15,9 +15,9 @@ copies by address: a reservation's addresses come vectorised (`Arena.locate`, no
 `destinations` is read), and `acquire_batch` holds a load's batch with one lease, by address.
 
 A slot can be held: by a reader while it consumes, by a lease (`acquire`, or one for a whole batch:
-`acquire_batch`) until `release` (`release_batch`), by a `write_many` while its caller fills it. Held bytes are never evicted, reused or overwritten; a key
-evicted, replaced or deleted while its slot is held leaves the index at once, and the slot is freed
-when its last holder lets go.
+`acquire_batch`) until `release` (`release_batch`), by a `write_many` while its caller fills it. Held
+bytes are never evicted, reused or overwritten; a key evicted, replaced or deleted while its slot is
+held leaves the index at once, and the slot is freed when its last holder lets go.
 
 A watched arena (`watch_evictions`) reports the keys it evicted, after its lock is released.
 

@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .base import Lease, Reservation, Store, check_key
+from .base import Lease, Reservation, Store, check_keys
 from .buffers import Buffer
 from .tiered_admission import Admission, write_options
 from .tiered_behind import DEFAULT_BEHIND_AGE, WriteBehind, default_behind_bytes
@@ -149,8 +149,7 @@ class TieredStore(Store):
         items = list(items)
         if self.write == "through" or any(not self._fits_front(n) or n > self.max_entry_bytes for _, n in items):
             return super().reserve(items)
-        for key, _ in items:  # the keys, against the back's limits
-            check_key(key, self.max_key_bytes, self.url)
+        check_keys([key for key, _ in items], self.max_key_bytes, self.url)  # against the back's limits
         front = self.front.reserve(items)
         return Reservation(items, front.destinations, front, front.addresses, front.room)
 

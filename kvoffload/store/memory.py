@@ -191,12 +191,20 @@ class MemoryStore(Store):
         return self._index[key][0] not in self._holds
 
     def _release_holds(self, slots: Iterable[int]) -> None:
+        """One hold less on each slot (a slot named twice loses two); a slot nobody holds any more is
+        freed if its key left the index. A batch of slots held once each is let go in bulk."""
+        slots, holds = list(slots), self._holds
+        if len(set(slots)) == len(slots):
+            counts = list(map(holds.pop, slots, itertools.repeat(0, len(slots))))
+            if counts.count(1) == len(slots) and (not self._orphans or self._orphans.isdisjoint(slots)):
+                return
+            holds.update((slot, n) for slot, n in zip(slots, counts) if n)  # back: the general path below
         for slot in slots:
-            if slot not in self._holds:  # the store was closed meanwhile
+            if slot not in holds:  # the store was closed meanwhile
                 continue
-            self._holds[slot] -= 1
-            if not self._holds[slot]:
-                del self._holds[slot]
+            holds[slot] -= 1
+            if not holds[slot]:
+                del holds[slot]
                 if slot in self._orphans:
                     self._orphans.remove(slot)
                     self._arena.free(slot)
@@ -357,14 +365,14 @@ class MemoryStore(Store):
             else:
                 found = cast(list[tuple[int, int]], entries)
             slots, sizes = (list(column) for column in zip(*found)) if found else ([], [])
-            held = [slot for slot in slots if slot >= 0]
+            held = [slot for slot in slots if slot >= 0] if None in entries else slots
             if self._bulk and len(held) == len(set(held)) and holds.keys().isdisjoint(held):  # unheld, once each
                 holds.update(dict.fromkeys(held, 1))
             else:
                 for slot in held:
                     holds[slot] = holds.get(slot, 0) + 1
             if touch:
-                self._policy.touch_many([key for key, slot in zip(keys, slots) if slot >= 0])
+                self._policy.touch_many([k for k, e in zip(keys, entries) if e is not None] if held is not slots else keys)
             handle = next(_lease_ids)
             self._batches[handle] = held
             addresses, room = self._arena.locate(slots)

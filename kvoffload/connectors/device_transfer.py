@@ -260,22 +260,34 @@ class DeviceTransfer:
             else:
                 stream.wait_stream(torch.cuda.current_stream(self.device))
 
-    def _plan(self, items: Sequence[Page]):
-        """Page sizes and offsets (each at a multiple of the arena's slot size, so pages in adjacent
-        slots are adjacent in staging too: one DMA for both), every span of every page sorted by its
-        place in the staging order, the batch cuts over pages and over spans, and the word they all
-        move in."""
+    def _place(self, items: Sequence[Page]):
+        """Where each page goes in staging and the batch cuts: (groups, each page's group, sizes, offsets
+        in staging, cuts). Offsets are multiples of the arena's slot size, so pages in adjacent slots are
+        adjacent in staging too: one DMA for both. All a load's copies need (its spans can wait)."""
         groups, which, sizes = self._columns(items)
         spaced = -(-sizes // SLOT_ALIGN) * SLOT_ALIGN
         page_at = np.cumsum(spaced) - spaced
+        return groups, which, sizes, page_at, self._cuts(spaced)
+
+    def _route(self, items: Sequence[Page], placed):
+        """Every span of every placed page (`_place`), sorted by its place in the staging order, the cuts
+        over spans that match the batch cuts, and the word they all move in."""
+        groups, which, _, page_at, cuts = placed
         blocks = np.fromiter(map(_BLOCK, items), np.int64, len(items))
         spans, lengths, at = self._group_spans(groups, which, blocks, page_at)
         if len(groups) > 1:  # one group's spans come in staging order already
             order = np.argsort(at, kind="stable")
             spans, lengths, at = spans[order], lengths[order], at[order]
-        cuts = self._cuts(spaced)
         span_cuts = np.searchsorted(at, page_at[cuts[:-1]]).tolist() + [len(at)]
-        return sizes, page_at, spans, lengths, at, cuts, span_cuts, self._word_floor(groups)
+        return spans, lengths, at, span_cuts, self._word_floor(groups)
+
+    def _plan(self, items: Sequence[Page]):
+        """`_place` and `_route` at once: sizes, offsets, spans, lengths, staging offsets, cuts, span cuts,
+        word."""
+        placed = self._place(items)
+        spans, lengths, at, span_cuts, word = self._route(items, placed)
+        _, _, sizes, page_at, cuts = placed
+        return sizes, page_at, spans, lengths, at, cuts, span_cuts, word
 
     def _staged(self, items: Sequence[Page], after=None):
         """Yield (batch, slot, page offsets in the slot) batch by batch, the pages gathered into the slot's
@@ -462,18 +474,20 @@ class DeviceTransfer:
         """Per staging batch: hold its pages in their arena slots (one batch lease, by address), copy them
         by DMA (one copy per run of adjacent slots) into device staging, scatter. Up to `STAGING_SLOTS`
         batches are in flight: a batch is given back once its copies are done, while the next ones'
-        run. Copies and kernels have their own streams; the spans of every batch are planned at once."""
+        run. Copies and kernels have their own streams; the spans of every batch are planned at once, while
+        the first batch's copies run (a restore's first DMA waits for no span arithmetic)."""
         if not pages:
             return []
         self._wait("load", after)
         self._wait("load_kernel", after)
         kernels, copies = self.streams["load_kernel"], self.streams["load"]
-        sizes, page_at, spans, lengths, at, cuts, span_cuts, word = self._plan(pages)
-        span_page = np.searchsorted(page_at, at, side="right") - 1  # the page each span belongs to
+        placed = self._place(pages)
+        _, _, sizes, page_at, cuts = placed
         keys = [item.key for item in pages]
         arrived = np.zeros(len(pages), dtype=bool)
         in_flight: deque[tuple[HeldBatch, torch.cuda.Event]] = deque()  # oldest first
         held: HeldBatch | None = None
+        route = None  # the spans: planned once the first batch's copies are queued (they need none)
         try:
             for k, (first, end) in enumerate(zip(cuts, cuts[1:])):
                 held = store.acquire_batch(keys[first:end])
@@ -481,14 +495,18 @@ class DeviceTransfer:
                 arrived[first:end] = ok
                 base = int(page_at[first])
                 slot = self._slot("load", k % STAGING_SLOTS, int(page_at[end - 1] + sizes[end - 1]) - base)
-                a, b = span_cuts[k], span_cuts[k + 1]
-                keep = ok[span_page[a:b] - first]
                 with torch.cuda.stream(copies):
                     for address, offset, n in runs(
                         np.where(ok, held.addresses, 0), sizes[first:end], page_at[first:end] - base, held.room
                     ):
                         slot.device[offset : offset + n].copy_(host_tensor(address, n), non_blocking=True)
                     slot.filled.record()
+                if route is None:
+                    route = self._route(pages, placed)
+                    span_page = np.searchsorted(page_at, route[2], side="right") - 1  # each span's page
+                spans, lengths, at, span_cuts, word = route
+                a, b = span_cuts[k], span_cuts[k + 1]
+                keep = ok[span_page[a:b] - first]
                 with torch.cuda.stream(kernels):
                     kernels.wait_event(slot.filled)
                     self.copier.move(

@@ -372,7 +372,8 @@ class MemoryStore(Store):
                 for slot in held:
                     holds[slot] = holds.get(slot, 0) + 1
             if touch:
-                self._policy.touch_many([k for k, e in zip(keys, entries) if e is not None] if held is not slots else keys)
+                hits = keys if held is slots else [key for key, entry in zip(keys, entries) if entry is not None]
+                self._policy.touch_many(hits)
             handle = next(_lease_ids)
             self._batches[handle] = held
             addresses, room = self._arena.locate(slots)

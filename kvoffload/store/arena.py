@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 PAGE = 4096  # slot sizes are multiples of this
 SHIFT = 32  # a slot handle is chunk id << SHIFT | slot index
 SLOT_MASK = (1 << SHIFT) - 1
+FEW = 16  # `locate` of at most this many slots: plain Python beats numpy's per-call cost
 
 
 class Chunk:
@@ -67,6 +68,8 @@ class Arena:
         self.reserved = 0  # bytes in chunks
         self.limit = capacity  # lowered if the host refuses memory
         self._ids = itertools.count()
+        # Per chunk id, for `locate`: its address and slot size (room for 64 chunks, grown by doubling).
+        self._bases, self._steps = np.zeros(64, dtype=np.int64), np.zeros(64, dtype=np.int64)
 
     def allocate(self, nbytes: int) -> np.ndarray:
         if self.pinned:
@@ -115,13 +118,31 @@ class Arena:
         return chunk.array[start : start + nbytes], chunk.address + start
 
     def locate(self, slots: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """The host address and the size of each slot (-1: none, 0 and 0), vectorised: a batch has few
-        chunks."""
+        """The host address and the size of each slot (-1: none, 0 and 0), vectorised over a table of
+        the chunks' addresses and slot sizes (no sort, no per-slot Python but for a few slots)."""
+        if len(slots) <= FEW:
+            parts = [(0, 0) if s < 0 else self._where(s) for s in slots]
+            return np.array([a for a, _ in parts], np.int64), np.array([n for _, n in parts], np.int64)
         at = np.asarray(slots, dtype=np.int64)
-        ids, inverse = np.unique(np.where(at < 0, -1, at >> SHIFT), return_inverse=True)
-        base = np.array([self.chunks[i].address if i >= 0 else 0 for i in ids.tolist()], dtype=np.int64)
-        step = np.array([self.chunks[i].slot_bytes if i >= 0 else 0 for i in ids.tolist()], dtype=np.int64)
-        return base[inverse] + (at & SLOT_MASK) * step[inverse], step[inverse]
+        ids = at >> SHIFT  # a missing slot (-1) reads the table's last row: zeroed below
+        step = self._steps[ids]
+        address = self._bases[ids] + (at & SLOT_MASK) * step
+        missing = at < 0
+        if missing.any():
+            address[missing] = step[missing] = 0
+        return address, step
+
+    def _where(self, slot: int) -> tuple[int, int]:
+        chunk = self.chunks[slot >> SHIFT]
+        return chunk.address + (slot & SLOT_MASK) * chunk.slot_bytes, chunk.slot_bytes
+
+    def _describe(self, chunk: Chunk) -> None:
+        """Enter a chunk's address and slot size in `locate`'s table (grown by doubling)."""
+        if chunk.id >= len(self._bases):
+            size = 2 * chunk.id
+            self._bases = np.concatenate([self._bases, np.zeros(size - len(self._bases), np.int64)])
+            self._steps = np.concatenate([self._steps, np.zeros(size - len(self._steps), np.int64)])
+        self._bases[chunk.id], self._steps[chunk.id] = chunk.address, chunk.slot_bytes
 
     def take(self, cls: int) -> int | None:
         """A slot of class `cls`: a free one, a new chunk's, or None (then `cls` is starved)."""
@@ -141,6 +162,7 @@ class Arena:
                     self.starved.add(cls)
                     break
                 chunk.slot_bytes = cls
+                self._describe(chunk)
                 self.open.setdefault(cls, {})[chunk.id] = chunk
             # Oldest freed first: LRU eviction frees slots in the order they were filled, so a batch
             # reuses them in address order and a device copies runs of adjacent slots in one DMA.

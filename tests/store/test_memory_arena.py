@@ -442,3 +442,31 @@ def test_the_bulk_paths_hand_out_and_evict_what_the_per_value_path_does(evict):
     assert fast.stats() == slow.stats() and fast.stats()["evictions"] > 50 and bulk > 50
     if evict == "lru":
         assert list(fast._policy._order) == list(slow._policy._order)
+
+
+@pytest.mark.parametrize("batch", [3, 16, 17, 200])
+def test_a_held_batch_says_each_values_address_and_room_across_many_chunks(batch):
+    """`acquire_batch` locates slots by a table of chunks (Python for a few, numpy for many): each
+    address is the value's own bytes, a miss is 0, and the table grows past its first 64 chunks."""
+    store = MemoryStore(8 << 20, pinned=False, chunk_bytes=64 * KiB)  # 128 chunks of 64 KiB
+    sizes = [PAGE, 3 * PAGE, 5 * PAGE - 7, 9 * PAGE]
+    keys = [b"k%d" % i for i in range(300)]
+    for i, key in enumerate(keys):
+        assert store.put(key, _bytes(i, sizes[i % 4]))
+    assert store.stats()["chunks"] > 64
+    chosen = random.Random(batch).sample(keys, batch - 1) + [b"missing"]
+    random.Random(batch + 1).shuffle(chosen)
+    held = store.acquire_batch(chosen)
+    leases = store.acquire(chosen)
+    try:
+        for key, address, size, room, lease in zip(chosen, held.addresses, held.sizes, held.room, leases):
+            if lease is None:
+                assert (key, address, size, room) == (b"missing", 0, 0, 0)
+                continue
+            assert address == lease.view.ctypes.data and size == lease.view.nbytes
+            assert room == -(-size // PAGE) * PAGE
+            assert lease.view.tobytes() == _bytes(keys.index(key), size)
+    finally:
+        store.release(leases)
+        store.release_batch(held)
+    audit(store)

@@ -487,7 +487,6 @@ class DeviceTransfer:
         arrived = np.zeros(len(pages), dtype=bool)
         in_flight: deque[tuple[HeldBatch, torch.cuda.Event]] = deque()  # oldest first
         held: HeldBatch | None = None
-        route = None  # the spans: planned once the first batch's copies are queued (they need none)
         try:
             for k, (first, end) in enumerate(zip(cuts, cuts[1:])):
                 held = store.acquire_batch(keys[first:end])
@@ -501,10 +500,9 @@ class DeviceTransfer:
                     ):
                         slot.device[offset : offset + n].copy_(host_tensor(address, n), non_blocking=True)
                     slot.filled.record()
-                if route is None:
-                    route = self._route(pages, placed)
-                    span_page = np.searchsorted(page_at, route[2], side="right") - 1  # each span's page
-                spans, lengths, at, span_cuts, word = route
+                if k == 0:  # the spans: planned once the first batch's copies are queued (they need none)
+                    spans, lengths, at, span_cuts, word = self._route(pages, placed)
+                    span_page = np.searchsorted(page_at, at, side="right") - 1  # the page each span belongs to
                 a, b = span_cuts[k], span_cuts[k + 1]
                 keep = ok[span_page[a:b] - first]
                 with torch.cuda.stream(kernels):

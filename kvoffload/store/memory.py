@@ -360,19 +360,20 @@ class MemoryStore(Store):
         index, holds = self._index, self._holds
         with self._lock:
             entries = list(map(index.get, keys))
-            if None in entries:
+            missed = None in entries
+            if missed:
                 found = [(-1, 0) if entry is None else entry for entry in entries]
             else:
                 found = cast(list[tuple[int, int]], entries)
             slots, sizes = (list(column) for column in zip(*found)) if found else ([], [])
-            held = [slot for slot in slots if slot >= 0] if None in entries else slots
+            held = [slot for slot in slots if slot >= 0] if missed else slots
             if self._bulk and len(held) == len(set(held)) and holds.keys().isdisjoint(held):  # unheld, once each
                 holds.update(dict.fromkeys(held, 1))
             else:
                 for slot in held:
                     holds[slot] = holds.get(slot, 0) + 1
             if touch:
-                hits = keys if held is slots else [key for key, entry in zip(keys, entries) if entry is not None]
+                hits = [key for key, entry in zip(keys, entries) if entry is not None] if missed else keys
                 self._policy.touch_many(hits)
             handle = next(_lease_ids)
             self._batches[handle] = held

@@ -454,19 +454,29 @@ def test_a_held_batch_says_each_values_address_and_room_across_many_chunks(batch
     for i, key in enumerate(keys):
         assert store.put(key, _bytes(i, sizes[i % 4]))
     assert store.stats()["chunks"] > 64
-    chosen = random.Random(batch).sample(keys, batch - 1) + [b"missing"]
-    random.Random(batch + 1).shuffle(chosen)
-    held = store.acquire_batch(chosen)
-    leases = store.acquire(chosen)
-    try:
-        for key, address, size, room, lease in zip(chosen, held.addresses, held.sizes, held.room, leases):
-            if lease is None:
-                assert (key, address, size, room) == (b"missing", 0, 0, 0)
-                continue
-            assert address == lease.view.ctypes.data and size == lease.view.nbytes
-            assert room == -(-size // PAGE) * PAGE
-            assert lease.view.tobytes() == _bytes(keys.index(key), size)
-    finally:
-        store.release(leases)
-        store.release_batch(held)
-    audit(store)
+
+    def check(values: dict[bytes, bytes]) -> None:
+        chosen = random.Random(batch).sample(sorted(values), batch - 1) + [b"missing"]
+        random.Random(batch + 1).shuffle(chosen)
+        held = store.acquire_batch(chosen)
+        leases = store.acquire(chosen)
+        try:
+            for key, address, size, room, lease in zip(chosen, held.addresses, held.sizes, held.room, leases):
+                if lease is None:
+                    assert (key, address, size, room) == (b"missing", 0, 0, 0)
+                    continue
+                assert address == lease.view.ctypes.data and size == lease.view.nbytes
+                assert room == -(-size // PAGE) * PAGE
+                assert lease.view.tobytes() == values[key]
+        finally:
+            store.release(leases)
+            store.release_batch(held)
+        audit(store)
+
+    check({key: _bytes(i, sizes[i % 4]) for i, key in enumerate(keys)})
+    # Every chunk back in the pool, then carved again for another size: the table follows.
+    for key in keys:
+        assert store.delete(key)
+    again = {b"j%d" % i: _bytes(1000 + i, 6 * PAGE) for i in range(200)}
+    assert all(store.put_many(list(again.items())))
+    check(again)

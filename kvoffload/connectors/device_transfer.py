@@ -48,7 +48,8 @@ STAGING_SLOTS = 3
 # also costs ~0.1-0.3 ms of fixed host work. On the H200 (2,048 72 KiB pages): 512 moved them fastest
 # (32 / 128 / 256 / 512 / unbounded: save 0.12 / 0.27 / 0.28 / 0.37 / 0.33 of a raw copy).
 BATCH_PAGES = 512
-MAX_RESERVED_TILES = 1 << 20  # tile-table rows made ahead per slot (24 MiB); a larger batch grows its table
+# Tile-table rows made ahead per slot (24 MiB of pinned host memory); a larger batch grows its table.
+MAX_RESERVED_TILES = 1 << 20
 
 
 class _Slot:

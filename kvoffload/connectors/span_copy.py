@@ -1,14 +1,16 @@
 """Copy many byte spans of a device buffer into one contiguous staging buffer and back, in one launch.
 
 A batch of pages is thousands of small spans (one per layer per block per group); one copy each runs
-at a fraction of link speed. The spans are cut into tiles described by one small table, and one Triton
-program per tile moves it (the same kernel on NVIDIA and AMD GPUs). Without Triton (or on the CPU) the
-same spans move through `torch._foreach_copy_`, which batches the copies into a few launches.
+at a fraction of link speed. The spans are cut into tiles described by one small table (in pinned
+host memory, read by the kernel across the link), and one Triton program per tile moves it (the same
+kernel on NVIDIA and AMD GPUs). Without Triton (or on the CPU) the same spans move through
+`torch._foreach_copy_`, which batches the copies into a few launches.
 All sizes are in words of the widest integer type that divides every offset and length.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -19,6 +21,8 @@ try:
     import triton.language as tl
 except ImportError:  # the CPU build: the foreach path only
     triton = None
+
+log = logging.getLogger(__name__)
 
 TILE_WORDS = 32768  # per program: long spans are cut into tiles of at most this many words
 BLOCK_WORDS = 2048  # per loop step of a program
@@ -79,10 +83,19 @@ class SpanCopier:
             g = math.gcd(w, self.buffer.storage_offset(), self.buffer.numel(), staging.numel())
             w = next(size for size in (8, 4, 2, 1) if g % size == 0)
             src_at, dst_at = (offsets // w, at // w) if gather else (at // w, offsets // w)
-            tiles = (table or TileTable(self.buffer.device)).fill(src_at, dst_at, lengths // w)
+            table = table or TileTable(self.buffer.device, mapped=False)  # uploaded: freed safely after
+            tiles = table.fill(src_at, dst_at, lengths // w)
             buffer, stage = self.buffer.view(_WORD_TYPES[w]), staging.view(_WORD_TYPES[w])
             src, dst = (buffer, stage) if gather else (stage, buffer)
-            _copy_tiles[(tiles.shape[0],)](src, dst, tiles, BLOCK=BLOCK_WORDS, num_warps=8)
+            try:
+                _copy_tiles[(tiles.shape[0],)](src, dst, tiles, BLOCK=BLOCK_WORDS, num_warps=8)
+            except ValueError:  # Triton: "cannot be accessed" (a device that does not map page-locked memory)
+                if not table.mapped:
+                    raise
+                log.info("span copy: the device cannot read mapped host memory; tile tables are uploaded")
+                table.mapped = False
+                tiles = table.upload(tiles.shape[0])
+                _copy_tiles[(tiles.shape[0],)](src, dst, tiles, BLOCK=BLOCK_WORDS, num_warps=8)
         else:
             parts = [self.buffer[o : o + n] for o, n in zip(offsets.tolist(), lengths.tolist())]
             staged = [staging[a : a + n] for a, n in zip(at.tolist(), lengths.tolist())]
@@ -91,11 +104,16 @@ class SpanCopier:
 
 
 class TileTable:
-    """(src, dst, words) per tile, in pinned host memory and on the device: uploaded without stalling
-    the host, and kept for reuse so no batch pays for a pinned allocation."""
+    """(src, dst, words) per tile in pinned host memory, which the kernel reads across the link (the
+    device maps page-locked memory): no upload, so a batch's table never waits on the copy engine
+    behind the large copies queued before it (a load's scatters would otherwise all run after the last
+    batch's DMA, and a save's gathers behind a concurrent load's copies). Kept per staging slot and
+    refilled only once the slot's last kernel ran, so no batch pays for a pinned allocation. Not
+    `mapped` (a device that cannot read host memory, or a table freed right after its one use), it is
+    uploaded to the device on the current stream instead."""
 
-    def __init__(self, device: torch.device):
-        self.device, self.rows = device, 0
+    def __init__(self, device: torch.device, mapped: bool = True):
+        self.device, self.rows, self.mapped = device, 0, mapped
         self.host: torch.Tensor | None = None
         self.on_device: torch.Tensor | None = None
 
@@ -104,18 +122,26 @@ class TileTable:
         if rows > self.rows:
             self.rows = max(rows, 2 * self.rows, 1024)
             self.host = torch.empty((self.rows, 3), dtype=torch.int64, pin_memory=True)
-            self.on_device = torch.empty((self.rows, 3), dtype=torch.int64, device=self.device)
+            self.on_device = None
 
     def fill(self, src_at: np.ndarray, dst_at: np.ndarray, words: np.ndarray) -> torch.Tensor:
+        """The table of these spans cut in tiles: the host rows themselves where `mapped`, else uploaded."""
         count = (words + TILE_WORDS - 1) // TILE_WORDS
         span = np.repeat(np.arange(len(words)), count)
         step = (np.arange(len(span)) - np.repeat(np.cumsum(count) - count, count)) * TILE_WORDS
         self.reserve(len(span))
-        assert self.host is not None and self.on_device is not None  # reserved: a move has at least one tile
+        assert self.host is not None  # reserved: a move has at least one tile
         rows = self.host.numpy()[: len(span)]
         rows[:, 0] = src_at[span] + step
         rows[:, 1] = dst_at[span] + step
         rows[:, 2] = np.minimum(words[span] - step, TILE_WORDS)
-        on_device = self.on_device[: len(span)]
-        on_device.copy_(self.host[: len(span)], non_blocking=True)
+        return self.host[: len(span)] if self.mapped else self.upload(len(span))
+
+    def upload(self, count: int) -> torch.Tensor:
+        """The first `count` rows copied to the device (on the current stream, not waited for)."""
+        assert self.host is not None
+        if self.on_device is None:
+            self.on_device = torch.empty((self.rows, 3), dtype=torch.int64, device=self.device)
+        on_device = self.on_device[:count]
+        on_device.copy_(self.host[:count], non_blocking=True)
         return on_device

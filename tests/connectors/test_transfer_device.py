@@ -253,3 +253,33 @@ def test_after_warm_up_the_first_save_and_load_make_nothing(use_triton):
         assert np.array_equal(after.gather(into.group, into.block), before.gather(p.group, p.block))
     assert {where: (slot, slot.host.data_ptr(), slot.table.host.data_ptr())
             for where, slot in transfer._slots.items()} == made
+
+
+@pytest.mark.skipif(not TRITON, reason="the tile table is the Triton kernel's")
+@pytest.mark.parametrize("table_kind", ["mapped", "uploaded", "unreadable"])
+def test_tile_tables_read_in_host_memory_uploaded_or_falling_back_move_the_same_bytes(table_kind):
+    """The kernel reads a slot's tile table in page-locked host memory; a table the device cannot read
+    (here: pageable memory, which Triton refuses at launch) falls back to an upload, and so does a
+    table made for one move. Every way moves the spans byte for byte."""
+    from kvoffload.connectors.span_copy import TileTable
+
+    source = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
+    staging = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    copier = SpanCopier(source, use_triton=True)
+    offsets, lengths = np.array([8, 300_000, 600_008]), np.array([4000, 280_000, 8])  # the middle one: many tiles
+    at = np.array([0, 4000, 284_000])
+    table = TileTable(source.device, mapped=table_kind != "uploaded")
+    if table_kind == "unreadable":
+        table.reserve(64)
+        table.host = torch.empty((table.rows, 3), dtype=torch.int64)  # pageable: not mapped into the device
+    copier.move(offsets, lengths, staging, at, table, gather=True)
+    torch.cuda.synchronize()
+    assert table.mapped == (table_kind == "mapped")
+    for o, n, a in zip(offsets, lengths, at):
+        assert torch.equal(staging[a : a + n], source[o : o + n])
+    back = torch.zeros_like(source)
+    SpanCopier(back, use_triton=True).move(offsets, lengths, staging, at, None, gather=False)  # a table of its own
+    torch.cuda.synchronize()
+    for o, n in zip(offsets, lengths):
+        assert torch.equal(back[o : o + n], source[o : o + n])
+    assert int(back.count_nonzero()) <= int(lengths.sum())  # nothing outside the spans was written

@@ -89,11 +89,17 @@ def _pages(
     rank: int | None = None,
     table: BlockTable | None = None,
 ) -> list[Page[G]]:
+    """`page` of each of `kind`'s groups of each block, block by block; `store_key` and `physical_block`
+    spelled out in one pass (a restore's pages are made on its critical path: thousands at block 64)."""
     groups = _groups(layout, kind)
+    rank, size = layout.tp_rank if rank is None else rank, layout.tp_size
+    columns: list[Sequence[int] | None] = [
+        None if table is None else table[g.index] if isinstance(table, Mapping) else table for g in groups
+    ]
     return [
-        page(layout, block_keys[i], g, i, rank, None if table is None else physical_block(table, g, i))
+        Page(page_key(shard_key(block_keys[i], rank, size, g.tp_replicas), g.name), g, i, None if at is None else at[i])
         for i in blocks
-        for g in groups
+        for g, at in zip(groups, columns)
     ]
 
 

@@ -39,7 +39,9 @@ def test_verify_across_a_restart(tmp_path, tiny_checkpoint, tier):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("tier,restart", [("memory", False), ("lmdb", False), ("lmdb", True)])
+@pytest.mark.parametrize(
+    "tier,restart", [("memory", False), ("lmdb", False), ("lmdb", True), ("tiered", False), ("tiered", True)]
+)
 def test_verify_on_the_gpu(tmp_path, tiny_checkpoint, tier, restart):
     report = verify(store_urls(tmp_path, capacity="1GiB")[tier], model_dir=tiny_checkpoint, device="cuda",
                     restart=restart)

@@ -129,6 +129,10 @@ class DeviceTransfer:
                         self.copier.move(zero, one, slot.device, zero, slot.table, gather=True, word=w)
                 # The arena paths wrap host memory by address: the first wrap pays for numpy's set-up.
                 slot.device[:1].copy_(host_tensor(slot.host.data_ptr(), 1), non_blocking=True)
+            # The host's planning of a batch (a page of each group): numpy's first calls cost ~0.1 ms each.
+            items, columns, _ = self._grouped([Page(b"", g, 0, 0) for g in groups])
+            self._route(items, self._place(items, columns))
+            runs(np.ones(1, np.int64), np.ones(1, np.int64), np.zeros(1, np.int64))
             torch.cuda.synchronize(self.device)
         self.warm_up_s = time.perf_counter() - started
         return self.warm_up_s
@@ -261,11 +265,31 @@ class DeviceTransfer:
             else:
                 stream.wait_stream(torch.cuda.current_stream(self.device))
 
-    def _place(self, items: Sequence[Page]):
+    def _grouped(self, items: Sequence[Page]) -> tuple[Sequence[Page], tuple, np.ndarray | None]:
+        """The items with each group's pages next to each other (in their order otherwise), their columns
+        (`_columns`) and the permutation made (None: none was needed). An arena hands out one size class's
+        slots one after another, so a save or load of interleaved groups (every group's page of a block,
+        block after block) then moves runs of adjacent slots in one copy each instead of a copy per page."""
+        columns = groups, which, sizes = self._columns(items)
+        if len(groups) == 1 or np.count_nonzero(np.diff(which)) < len(groups):  # grouped already
+            return items, columns, None
+        order = np.argsort(which, kind="stable")
+        return [items[i] for i in order.tolist()], (groups, which[order], sizes[order]), order
+
+    @staticmethod
+    def _ungrouped(done: Sequence[bool] | np.ndarray, order: np.ndarray | None) -> list[bool]:
+        """Per-page outcomes of grouped items (`_grouped`) back in the caller's order."""
+        if order is None:
+            return list(done) if not isinstance(done, np.ndarray) else done.tolist()
+        back = np.empty(len(order), dtype=bool)
+        back[order] = done
+        return back.tolist()
+
+    def _place(self, items: Sequence[Page], columns: tuple | None = None):
         """Where each page goes in staging and the batch cuts: (groups, each page's group, sizes, offsets
         in staging, cuts). Offsets are multiples of the arena's slot size, so pages in adjacent slots are
         adjacent in staging too: one DMA for both. All a load's copies need (its spans can wait)."""
-        groups, which, sizes = self._columns(items)
+        groups, which, sizes = columns or self._columns(items)
         spaced = -(-sizes // SLOT_ALIGN) * SLOT_ALIGN
         page_at = np.cumsum(spaced) - spaced
         return groups, which, sizes, page_at, self._cuts(spaced)
@@ -282,10 +306,10 @@ class DeviceTransfer:
         span_cuts = np.searchsorted(at, page_at[cuts[:-1]]).tolist() + [len(at)]
         return spans, lengths, at, span_cuts, self._word_floor(groups)
 
-    def _plan(self, items: Sequence[Page]):
+    def _plan(self, items: Sequence[Page], columns: tuple | None = None):
         """`_place` and `_route` at once: sizes, offsets, spans, lengths, staging offsets, cuts, span cuts,
         word."""
-        placed = self._place(items)
+        placed = self._place(items, columns)
         spans, lengths, at, span_cuts, word = self._route(items, placed)
         _, _, sizes, page_at, cuts = placed
         return sizes, page_at, spans, lengths, at, cuts, span_cuts, word
@@ -392,7 +416,8 @@ class DeviceTransfer:
         copies have their own streams, so a gather overlaps the previous batch's DMA."""
         if not pages:
             return []
-        sizes, page_at, spans, lengths, at, cuts, span_cuts, word = self._plan(pages)
+        pages, columns, order = self._grouped(pages)
+        sizes, page_at, spans, lengths, at, cuts, span_cuts, word = self._plan(pages, columns)
         self._wait("save_kernel", after)
         kernels, copies = self.streams["save_kernel"], self.streams["save"]
         keys, size_list = [item.key for item in pages], sizes.tolist()
@@ -434,7 +459,7 @@ class DeviceTransfer:
         if len(cuts) > 2 and any(written):  # a later batch may have evicted an earlier one's pages
             kept = iter(store.contains_many([pages[i].key for i, ok in enumerate(written) if ok]))
             written = [ok and next(kept) for ok in written]
-        return written
+        return self._ungrouped(written, order)
 
     @staticmethod
     def _publish(store: Store, reservation, event) -> list[bool]:
@@ -482,7 +507,8 @@ class DeviceTransfer:
         self._wait("load", after)
         self._wait("load_kernel", after)
         kernels, copies = self.streams["load_kernel"], self.streams["load"]
-        placed = self._place(pages)
+        pages, columns, order = self._grouped(pages)
+        placed = self._place(pages, columns)
         _, _, sizes, page_at, cuts = placed
         keys = [item.key for item in pages]
         arrived = np.zeros(len(pages), dtype=bool)
@@ -525,4 +551,4 @@ class DeviceTransfer:
             for batch in [held, *(lease for lease, _ in in_flight)]:
                 if batch is not None:
                     store.release_batch(batch)
-        return arrived.tolist()
+        return self._ungrouped(arrived, order)

@@ -283,3 +283,42 @@ def test_tile_tables_read_in_host_memory_uploaded_or_falling_back_move_the_same_
     for o, n in zip(offsets, lengths):
         assert torch.equal(back[o : o + n], source[o : o + n])
     assert int(back.count_nonzero()) <= int(lengths.sum())  # nothing outside the spans was written
+
+
+@pytest.mark.skipif(not GPU, reason="the in-place arena paths run on a GPU only")
+def test_interleaved_groups_move_in_runs_and_answer_in_the_callers_order(monkeypatch):
+    """Every group's page of a block, block after block: each group's pages are moved together, so the
+    arena's adjacent slots go in one copy per run (not one per page), and the outcomes (misses among
+    them) still come back in the caller's order, the bytes in their own blocks."""
+    from kvoffload.connectors import device_transfer as dt
+
+    paged, state = _groups()
+    source = torch.randint(0, 256, (48 * STRIDE,), dtype=torch.uint8, device="cuda")
+    transfer = _transfer(source, TRITON)
+    from kvoffload.store import MemoryStore
+
+    store = MemoryStore(8 << 20, chunk_bytes=2 << 20)  # a chunk per size class, slots taken in order
+    items = [Page(f"k{g.name}{b}".encode(), g, b, b) for b in range(20) for g in (paged, state)]
+    copies = []
+    real_runs = dt.runs
+    monkeypatch.setattr(dt, "runs", lambda *a: copies.append(real_runs(*a)) or copies[-1])
+    assert transfer.save(store, items) == [True] * len(items)
+    assert sum(map(len, copies)) <= 2 * len(transfer.batches(items))  # a run per group and batch at most
+    before = HostTransfer(source.cpu())
+    for p in items:
+        assert bytes(store.get(p.key)) == before.gather(p.group, p.block).tobytes()
+    store.delete(items[7].key)
+    store.delete(items[30].key)
+    copies.clear()
+    source[24 * STRIDE :] = 0  # where the load puts them
+    moved = [replace(p, block=p.block + 24) for p in items]
+    ok = transfer.load(store, moved)
+    assert ok == [i not in (7, 30) for i in range(len(items))]
+    assert sum(map(len, copies)) <= 2 * len(transfer.batches(items)) + 4  # a miss breaks a run in two
+    torch.cuda.synchronize()
+    after = HostTransfer(source.cpu())
+    for i, (p, into) in enumerate(zip(items, moved)):
+        if ok[i]:
+            assert np.array_equal(after.gather(into.group, into.block), before.gather(p.group, p.block))
+        else:
+            assert not after.gather(into.group, into.block).any()

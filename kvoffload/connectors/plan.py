@@ -108,8 +108,12 @@ def every_rank_keys(
 ) -> dict[bytes, int]:
     """The store keys of pages, each a (block index, group), on every TP rank (a key ranks share once)
     -> their block index. The one place that spells out every rank's keys of a block."""
-    pages = list(pages)
-    return {store_key(layout, block_keys[i], g, rank): i for rank in range(layout.tp_size) for i, g in pages}
+    pages, size = list(pages), layout.tp_size
+    return {  # `store_key` spelled out: a long prefix's lookup names thousands of keys
+        page_key(shard_key(block_keys[i], rank, size, g.tp_replicas), g.name): i
+        for rank in range(size)
+        for i, g in pages
+    }
 
 
 def held_keys(layout: LayoutView, block_keys: Sequence[bytes], index: int) -> list[bytes]:

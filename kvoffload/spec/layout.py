@@ -148,7 +148,7 @@ class CacheLayout:
                         f"({region.end(self.num_blocks)} > {self.buffer_sizes[region.buffer]})"
                     )
 
-    @property
+    @cached_property
     def cacheable_groups(self) -> tuple[CacheGroup, ...]:
         return tuple(g for g in self.groups if g.cacheable)
 

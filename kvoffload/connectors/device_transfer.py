@@ -110,8 +110,9 @@ class DeviceTransfer:
     def warm_up(self, groups: Sequence[CacheGroup]) -> float:
         """Make now what a first save or load of `groups`' pages would make: both directions' staging
         slots at full size (page-locked host, device), their tile tables sized for a slot of the
-        smallest page, and the copy kernel for every word size their spans can be moved in. Returns
-        (and keeps in `warm_up_s`) its cost in seconds; nothing to do on the CPU."""
+        smallest page, the copy kernel for every word size their spans can be moved in, and one pass of
+        the host's batch planning. Returns (and keeps in `warm_up_s`) its cost in seconds; nothing to
+        do on the CPU."""
         started = time.perf_counter()
         if self.gpu and groups:
             size = max(self.staging_bytes, max(g.used_bytes_per_block for g in groups))
@@ -280,7 +281,7 @@ class DeviceTransfer:
     def _ungrouped(done: Sequence[bool] | np.ndarray, order: np.ndarray | None) -> list[bool]:
         """Per-page outcomes of grouped items (`_grouped`) back in the caller's order."""
         if order is None:
-            return list(done) if not isinstance(done, np.ndarray) else done.tolist()
+            return done.tolist() if isinstance(done, np.ndarray) else list(done)
         back = np.empty(len(order), dtype=bool)
         back[order] = done
         return back.tolist()

@@ -89,15 +89,14 @@ def _pages(
     rank: int | None = None,
     table: BlockTable | None = None,
 ) -> list[Page[G]]:
-    """`page` of each of `kind`'s groups of each block, block by block; `store_key` and `physical_block`
-    spelled out in one pass (a restore's pages are made on its critical path: thousands at block 64)."""
+    """`page` of each of `kind`'s groups of each block, block by block, each group's block table column
+    found once (a restore's pages are made on its critical path: thousands at block 64)."""
     groups = _groups(layout, kind)
-    rank, size = layout.tp_rank if rank is None else rank, layout.tp_size
     columns: list[Sequence[int] | None] = [
         None if table is None else table[g.index] if isinstance(table, Mapping) else table for g in groups
     ]
     return [
-        Page(page_key(shard_key(block_keys[i], rank, size, g.tp_replicas), g.name), g, i, None if at is None else at[i])
+        Page(store_key(layout, block_keys[i], g, rank), g, i, None if at is None else at[i])
         for i in blocks
         for g, at in zip(groups, columns)
     ]
@@ -108,12 +107,8 @@ def every_rank_keys(
 ) -> dict[bytes, int]:
     """The store keys of pages, each a (block index, group), on every TP rank (a key ranks share once)
     -> their block index. The one place that spells out every rank's keys of a block."""
-    pages, size = list(pages), layout.tp_size
-    return {  # `store_key` spelled out: a long prefix's lookup names thousands of keys
-        page_key(shard_key(block_keys[i], rank, size, g.tp_replicas), g.name): i
-        for rank in range(size)
-        for i, g in pages
-    }
+    pages = list(pages)
+    return {store_key(layout, block_keys[i], g, rank): i for rank in range(layout.tp_size) for i, g in pages}
 
 
 def held_keys(layout: LayoutView, block_keys: Sequence[bytes], index: int) -> list[bytes]:

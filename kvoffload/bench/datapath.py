@@ -25,7 +25,6 @@ import tempfile
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -40,7 +39,7 @@ from .transfer import _device_name, _median_gbps, _nbytes, _sync, pages_of
 
 def _moved(items: list, half: int) -> list:
     """The same pages (keys) placed `half` blocks further on: where a load puts them back."""
-    return [replace(p, block=p.block + half) for p in items]
+    return [p._replace(block=p.block + half) for p in items]
 
 
 def run(

@@ -13,7 +13,6 @@ buffer (`device: cpu`), which checks the benchmark, not the link."""
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import replace
 
 import torch
 
@@ -156,7 +155,7 @@ def _workload(cache, save_items, load_items, device, repeats) -> dict:
     }
     store = open_store(f"memory://?capacity={nbytes + (64 << 20)}")
     saver.save(store, save_items)
-    moved = [replace(saved, block=into.block) for saved, into in zip(save_items, load_items)]
+    moved = [saved._replace(block=into.block) for saved, into in zip(save_items, load_items)]
 
     def store_load():
         loader.load(store, moved)

@@ -22,12 +22,13 @@ def runs(
     default: its size): the bytes between two pages are then the first slot's own padding and staging
     that nobody uses, so pages whose size is not a multiple of the slot's still join. A page at address
     0 (a miss, no room) is skipped. Vectorised: a batch of small pages costs no Python per page here."""
-    at = np.asarray(addresses, dtype=np.int64)
-    keep = (at != 0) & (sizes > 0)
-    at, n, o = at[keep], sizes[keep], offsets[keep]
+    at, n, o = np.asarray(addresses, dtype=np.int64), sizes, offsets
+    fits = n if room is None else np.asarray(room, dtype=np.int64)
+    keep = (at != 0) & (n > 0)
+    if not keep.all():
+        at, n, o, fits = at[keep], n[keep], o[keep], fits[keep]
     if not len(at):
         return []
-    fits = n if room is None else np.asarray(room, dtype=np.int64)[keep]
     step = at[1:] - at[:-1]
     joined = (step == o[1:] - o[:-1]) & (step >= n[:-1]) & (step <= fits[:-1])
     starts = np.flatnonzero(np.concatenate(([True], ~joined)))

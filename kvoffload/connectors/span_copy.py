@@ -58,6 +58,7 @@ class SpanCopier:
         self.use_triton = (triton is not None and on_gpu) if use_triton is None else use_triton
         if self.use_triton and (triton is None or not on_gpu):
             raise ValueError("the Triton span copy needs triton and a GPU buffer")
+        self._words: dict[int, torch.Tensor] = {}  # word size -> the buffer seen in words of that size
 
     def move(
         self,
@@ -85,7 +86,10 @@ class SpanCopier:
             src_at, dst_at = (offsets // w, at // w) if gather else (at // w, offsets // w)
             table = table or TileTable(self.buffer.device, mapped=False)  # uploaded: freed safely after
             tiles = table.fill(src_at, dst_at, lengths // w)
-            buffer, stage = self.buffer.view(_WORD_TYPES[w]), staging.view(_WORD_TYPES[w])
+            buffer = self._words.get(w)
+            if buffer is None:
+                buffer = self._words[w] = self.buffer.view(_WORD_TYPES[w])
+            stage = staging.view(_WORD_TYPES[w])
             src, dst = (buffer, stage) if gather else (stage, buffer)
             try:
                 _copy_tiles[(tiles.shape[0],)](src, dst, tiles, BLOCK=BLOCK_WORDS, num_warps=8)
@@ -126,16 +130,23 @@ class TileTable:
 
     def fill(self, src_at: np.ndarray, dst_at: np.ndarray, words: np.ndarray) -> torch.Tensor:
         """The table of these spans cut in tiles: the host rows themselves where `mapped`, else uploaded."""
-        count = (words + TILE_WORDS - 1) // TILE_WORDS
-        span = np.repeat(np.arange(len(words)), count)
-        step = (np.arange(len(span)) - np.repeat(np.cumsum(count) - count, count)) * TILE_WORDS
-        self.reserve(len(span))
-        assert self.host is not None  # reserved: a move has at least one tile
-        rows = self.host.numpy()[: len(span)]
-        rows[:, 0] = src_at[span] + step
-        rows[:, 1] = dst_at[span] + step
-        rows[:, 2] = np.minimum(words[span] - step, TILE_WORDS)
-        return self.host[: len(span)] if self.mapped else self.upload(len(span))
+        if int(words.max()) <= TILE_WORDS:  # every span one tile (a batch of small pages): the spans as they are
+            tiles = len(words)
+            self.reserve(tiles)
+            assert self.host is not None
+            np.stack((src_at, dst_at, words), axis=1, out=self.host.numpy()[:tiles])
+        else:
+            count = (words + TILE_WORDS - 1) // TILE_WORDS
+            span = np.repeat(np.arange(len(words)), count)
+            step = (np.arange(len(span)) - np.repeat(np.cumsum(count) - count, count)) * TILE_WORDS
+            tiles = len(span)
+            self.reserve(tiles)
+            assert self.host is not None  # reserved: a move has at least one tile
+            rows = self.host.numpy()[:tiles]
+            rows[:, 0] = src_at[span] + step
+            rows[:, 1] = dst_at[span] + step
+            rows[:, 2] = np.minimum(words[span] - step, TILE_WORDS)
+        return self.host[:tiles] if self.mapped else self.upload(tiles)
 
     def upload(self, count: int) -> torch.Tensor:
         """The first `count` rows copied to the device (on the current stream, not waited for)."""

@@ -170,8 +170,9 @@ class MemoryStore(Store):
 
         def may_go(victims: list[bytes]) -> bool:  # unheld, and slots of this class: handed on as they are
             gone[:] = map(self._index.pop, victims)  # one lookup each: put back below if they may not go
-            taken = [slot for slot, _ in gone]
-            chunk_ids = set(np.right_shift(taken, SHIFT).tolist())
+            taken = list(map(itemgetter(0), gone))
+            lo, hi = min(taken) >> SHIFT, max(taken) >> SHIFT  # mostly one chunk: no set of chunk ids
+            chunk_ids = (lo,) if lo == hi else {slot >> SHIFT for slot in taken}
             if self._holds.keys().isdisjoint(taken) and all(chunks[c].slot_bytes == cls for c in chunk_ids):
                 return True
             self._index.update(zip(victims, gone))

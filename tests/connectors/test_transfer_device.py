@@ -1,7 +1,6 @@
 """The staged device transfer (the GPU path; its logic also runs on a CPU buffer): byte-exact pages both
 ways, equal to the host transfer's, across several staging batches, with misses never scattered."""
 
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -55,7 +54,7 @@ def test_pages_round_trip_byte_exact_across_staging_batches(device, use_triton, 
 
     target = torch.zeros(32 * STRIDE, dtype=torch.uint8, device=device)
     loader = _transfer(target, use_triton, staging_bytes=3 * paged.used_bytes_per_block)
-    moved = [replace(p, block=p.block + 8) for p in items]  # into other blocks
+    moved = [p._replace(block=p.block + 8) for p in items]  # into other blocks
     assert loader.load(store, moved) == [True] * len(items)
     for p, into in zip(items, moved):
         assert np.array_equal(loader.gather(p.group, into.block), host.gather(p.group, p.block))
@@ -244,7 +243,7 @@ def test_after_warm_up_the_first_save_and_load_make_nothing(use_triton):
     store = open_store("memory://?capacity=4MiB&pinned=auto")
     before = HostTransfer(source.cpu())
     assert transfer.save(store, items) == [True] * len(items)
-    moved = [replace(p, block=p.block + 8) for p in items]
+    moved = [p._replace(block=p.block + 8) for p in items]
     assert transfer.load(store, moved) == [True] * len(items)
     torch.cuda.synchronize()
     after = HostTransfer(source.cpu())
@@ -311,7 +310,7 @@ def test_interleaved_groups_move_in_runs_and_answer_in_the_callers_order(monkeyp
     store.delete(items[30].key)
     copies.clear()
     source[24 * STRIDE :] = 0  # where the load puts them
-    moved = [replace(p, block=p.block + 24) for p in items]
+    moved = [p._replace(block=p.block + 24) for p in items]
     ok = transfer.load(store, moved)
     assert ok == [i not in (7, 30) for i in range(len(items))]
     assert sum(map(len, copies)) <= 2 * len(transfer.batches(items)) + 4  # a miss breaks a run in two

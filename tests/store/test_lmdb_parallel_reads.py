@@ -85,3 +85,43 @@ def test_close_stops_the_readers_and_a_tiered_read_counts_once(tmp_path):
     assert (stats["hits"], stats["disk_hits"], stats["get_bytes"]) == (len(values), len(values), len(values) * SIZE)
     store.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("kvoffload-lmdb-read")]
+
+
+def test_every_value_read_is_advised_to_the_kernel_before_it_is_verified(tmp_path, monkeypatch):
+    """A reader asks for the pages of all its values at once (MADV_WILLNEED), each value's range whole and
+    page-aligned, before the first checksum: the cold read keeps the disk's queue full."""
+    from kvoffload.store import entry, lmdb_reads
+
+    if lmdb_reads._MADVISE is None:
+        import pytest
+
+        pytest.skip("no madvise on this platform")
+    advised: list[tuple[int, int]] = []
+    verified_after: list[int] = []
+    real_madvise, real_verify = lmdb_reads._MADVISE, entry.verify
+
+    def madvise(start, length, advice):
+        assert advice == lmdb_reads.mmap.MADV_WILLNEED and start % lmdb_reads.PAGE == 0
+        advised.append((start, start + length))
+        return real_madvise(start, length, advice)
+
+    def verify(*args):
+        verified_after.append(len(advised))
+        return real_verify(*args)
+
+    monkeypatch.setattr(lmdb_reads, "_MADVISE", madvise)
+    monkeypatch.setattr(entry, "verify", verify)
+    values = _values(8)
+    with LMDBStore(str(tmp_path / "db"), 64 << 20, readers=1) as store:
+        assert all(store.put_many(list(values.items())))
+        addresses = []
+        served, got, _ = _read(store, list(values))
+        assert all(served) and [got[i] for i in range(len(values))] == list(values.values())
+
+        def where(i, view):
+            addresses.append(np.frombuffer(view, np.uint8).__array_interface__["data"][0])
+
+        store.read_many(list(values), where)
+    assert len(advised) == 2 * len(values) and verified_after[0] == len(values)  # all advised, then verified
+    for address in addresses:  # every value of the second read lies whole inside a range advised for it
+        assert any(a <= address and address + SIZE <= b for a, b in advised[len(values):])

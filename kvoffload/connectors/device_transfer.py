@@ -477,8 +477,8 @@ class DeviceTransfer:
         """Restore the pages batch by batch; a page missing, failing its checksum or of another size is a
         miss and is not scattered. From an arena the pages are copied by DMA straight from their slots;
         from other stores they are read into pinned staging first. With `after` (a background load) the
-        copies start after it and this returns once they are done; without, compute queued after this
-        call waits for them and the host does not."""
+        writes into the cache start after it and this returns once they are done; without, compute queued
+        after this call waits for them and the host does not."""
         if store.in_place and self.gpu:
             return self._load_in_place(store, pages, after)
         ok: list[bool] = []

@@ -93,13 +93,12 @@ def _pages(
     found once (a restore's pages are made on its critical path: thousands at block 64)."""
     rank = layout.tp_rank if rank is None else rank
     blocks = blocks if isinstance(blocks, range) else list(blocks)
-    per_group = []  # one list per group: a comprehension each, no per-page zip or branch
+    per_group = []  # one list per group (a comprehension each), interleaved block by block below
     for g in _groups(layout, kind):
-        if table is None:
-            per_group.append([Page(store_key(layout, block_keys[i], g, rank), g, i) for i in blocks])
-        else:
-            at = table[g.index] if isinstance(table, Mapping) else table
-            per_group.append([Page(store_key(layout, block_keys[i], g, rank), g, i, at[i]) for i in blocks])
+        at = None if table is None else table[g.index] if isinstance(table, Mapping) else table
+        per_group.append(
+            [Page(store_key(layout, block_keys[i], g, rank), g, i, None if at is None else at[i]) for i in blocks]
+        )
     return per_group[0] if len(per_group) == 1 else [p for block in zip(*per_group) for p in block]
 
 

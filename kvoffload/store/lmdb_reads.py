@@ -23,6 +23,7 @@ import lmdb
 import numpy as np
 
 from . import entry
+from .base import host_address
 
 READERS = max(1, min(8, (os.cpu_count() or 2) // 2))  # default threads of one large read
 PARALLEL_READ_BYTES = 16 << 20  # a read of fewer bytes stays on the caller's thread
@@ -90,7 +91,7 @@ def will_need(payloads: Iterable[memoryview | None]) -> None:
         return
     for payload in payloads:
         if payload is not None and payload.nbytes:
-            address = np.frombuffer(payload, np.uint8).__array_interface__["data"][0]
+            address = host_address(np.frombuffer(payload, np.uint8))
             start = address - address % PAGE
             _MADVISE(start, address + payload.nbytes - start, mmap.MADV_WILLNEED)
 

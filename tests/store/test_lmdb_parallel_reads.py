@@ -5,7 +5,9 @@ and small reads stay on the caller's thread."""
 import threading
 
 import numpy as np
+import pytest
 
+from kvoffload.store import entry, lmdb_reads
 from kvoffload.store.lmdb_reads import PARALLEL_READ_BYTES
 from kvoffload.store.lmdb_store import LMDBStore
 from kvoffload.store.tiered import TieredStore
@@ -90,11 +92,7 @@ def test_close_stops_the_readers_and_a_tiered_read_counts_once(tmp_path):
 def test_every_value_read_is_advised_to_the_kernel_before_it_is_verified(tmp_path, monkeypatch):
     """A reader asks for the pages of all its values at once (MADV_WILLNEED), each value's range whole and
     page-aligned, before the first checksum: the cold read keeps the disk's queue full."""
-    from kvoffload.store import entry, lmdb_reads
-
     if lmdb_reads._MADVISE is None:
-        import pytest
-
         pytest.skip("no madvise on this platform")
     advised: list[tuple[int, int]] = []
     verified_after: list[int] = []

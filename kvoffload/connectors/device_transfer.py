@@ -132,7 +132,7 @@ class DeviceTransfer:
                 slot.device[:1].copy_(host_tensor(slot.host.data_ptr(), 1), non_blocking=True)
             # The host's planning of a batch (a page of each group): numpy's first calls cost ~0.1 ms each.
             items, columns, _ = self._grouped([Page(b"", g, 0, 0) for g in groups])
-            self._route(items, self._place(items, columns))
+            deque(self._routes(items, self._place(items, columns)), maxlen=0)
             runs(np.ones(1, np.int64), np.ones(1, np.int64), np.zeros(1, np.int64))
             torch.cuda.synchronize(self.device)
         self.warm_up_s = time.perf_counter() - started
@@ -313,22 +313,29 @@ class DeviceTransfer:
         span_cuts = np.searchsorted(at, page_at[cuts[:-1]]).tolist() + [len(at)]
         return spans, lengths, at, span_cuts, self._word_floor(groups)
 
-    def _plan(self, items: Sequence[Page], columns: tuple | None = None):
-        """`_place` and `_route` at once: sizes, offsets, spans, lengths, staging offsets, cuts, span cuts,
-        word."""
-        placed = self._place(items, columns)
-        spans, lengths, at, span_cuts, word = self._route(items, placed)
-        _, _, sizes, page_at, cuts = placed
-        return sizes, page_at, spans, lengths, at, cuts, span_cuts, word
+    def _routes(self, items: Sequence[Page], placed) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
+        """Each batch's spans (`_route`: buffer offsets, lengths, staging offsets) and word, in batch order.
+        The first batch's are planned alone; the others' in one pass when the second batch's are asked
+        for, once the caller queued the first batch's work: a call's first DMA waits for one batch's
+        span arithmetic, not all of it."""
+        groups, which, sizes, page_at, cuts = placed
+        for lo, hi in ((0, cuts[1]), (cuts[1], cuts[-1])):
+            if lo == hi:
+                return
+            part = (groups, which[lo:hi], sizes[lo:hi], page_at[lo:hi], [c - lo for c in cuts if lo <= c <= hi])
+            spans, lengths, at, span_cuts, word = self._route(items[lo:hi], part)
+            for a, b in zip(span_cuts, span_cuts[1:]):
+                yield spans[a:b], lengths[a:b], at[a:b], word
 
     def _staged(self, items: Sequence[Page], after=None):
         """Yield (batch, slot, page offsets in the slot) batch by batch, the pages gathered into the slot's
         device buffer and copied to its pinned host buffer; valid until the next batch
-        is requested. The next batch's gather is queued before this one is handed out. The spans of all
-        batches are planned at once (one vectorised pass, not one per batch)."""
+        is requested. The next batch's gather is queued before this one is handed out."""
         if not items:
             return
-        sizes, page_at, spans, lengths, at, cuts, span_cuts, word = self._plan(items)
+        placed = self._place(items)
+        _, _, sizes, page_at, cuts = placed
+        routes = self._routes(items, placed)
         self._wait("save", after)  # saved: what compute queued before this call (or `after`) wrote, nothing later
 
         def queue(k: int) -> _Slot:
@@ -336,11 +343,9 @@ class DeviceTransfer:
             base = int(page_at[first])
             total = int(page_at[last] + sizes[last]) - base
             slot = self._slot("save", k % 2, total)
-            a, b = span_cuts[k], span_cuts[k + 1]
+            spans, lengths, at, word = next(routes)
             with self._on("save", wait=False):
-                self.copier.move(
-                    spans[a:b], lengths[a:b], slot.device, at[a:b] - base, slot.table, gather=True, word=word
-                )
+                self.copier.move(spans, lengths, slot.device, at - base, slot.table, gather=True, word=word)
                 if self.gpu:
                     slot.host[:total].copy_(slot.device[:total], non_blocking=True)
                     slot.done.record()
@@ -420,11 +425,14 @@ class DeviceTransfer:
         slots (one copy per run of adjacent slots). Up to `STAGING_SLOTS` batches are in flight: a batch
         is published once its copies are done, while the next ones' copies run, so the link stays busy
         while the host reserves, publishes or waits for the GIL (a load on another thread). Kernels and
-        copies have their own streams, so a gather overlaps the previous batch's DMA."""
+        copies have their own streams, so a gather overlaps the previous batch's DMA; the spans of every
+        batch but the first are planned while the first batch moves (`_routes`)."""
         if not pages:
             return []
         pages, columns, order = self._grouped(pages)
-        sizes, page_at, spans, lengths, at, cuts, span_cuts, word = self._plan(pages, columns)
+        placed = self._place(pages, columns)
+        _, _, sizes, page_at, cuts = placed
+        routes = self._routes(pages, placed)
         self._wait("save_kernel", after)
         kernels, copies = self.streams["save_kernel"], self.streams["save"]
         keys, size_list = [item.key for item in pages], sizes.tolist()
@@ -435,11 +443,9 @@ class DeviceTransfer:
             for k, (first, end) in enumerate(zip(cuts, cuts[1:])):
                 base = int(page_at[first])
                 slot = self._slot("save", k % STAGING_SLOTS, int(page_at[end - 1] + sizes[end - 1]) - base)
-                a, b = span_cuts[k], span_cuts[k + 1]
+                spans, lengths, at, word = next(routes)  # the second batch's: the rest's, while the first's DMA runs
                 with torch.cuda.stream(kernels):  # the gather runs while the host reserves the slots
-                    self.copier.move(
-                        spans[a:b], lengths[a:b], slot.device, at[a:b] - base, slot.table, gather=True, word=word
-                    )
+                    self.copier.move(spans, lengths, slot.device, at - base, slot.table, gather=True, word=word)
                     slot.filled.record()
                 reservation = store.reserve(list(zip(keys[first:end], size_list[first:end])))
                 with torch.cuda.stream(copies):
@@ -507,8 +513,8 @@ class DeviceTransfer:
         """Per staging batch: hold its pages in their arena slots (one batch lease, by address), copy them
         by DMA (one copy per run of adjacent slots) into device staging, scatter. Up to `STAGING_SLOTS`
         batches are in flight: a batch is given back once its copies are done, while the next ones'
-        run. Copies and kernels have their own streams; the spans of every batch are planned at once, while
-        the first batch's copies run (a restore's first DMA waits for no span arithmetic). Only the
+        run. Copies and kernels have their own streams; a batch's spans are planned once its copies are
+        queued (`_routes`: a restore's first DMA waits for no span arithmetic). Only the
         scatters wait for `after` (or the compute queued so far): the copies write staging alone, so they
         run while the compute they must not overtake still does."""
         if not pages:
@@ -518,6 +524,7 @@ class DeviceTransfer:
         pages, columns, order = self._grouped(pages)
         placed = self._place(pages, columns)
         _, _, sizes, page_at, cuts = placed
+        routes = self._routes(pages, placed)
         keys = [item.key for item in pages]
         arrived = np.zeros(len(pages), dtype=bool)
         in_flight: deque[tuple[HeldBatch, torch.cuda.Event]] = deque()  # oldest first
@@ -535,18 +542,13 @@ class DeviceTransfer:
                     for address, offset, n in runs(addresses, sizes[first:end], page_at[first:end] - base, held.room):
                         slot.device[offset : offset + n].copy_(host_tensor(address, n), non_blocking=True)
                     slot.filled.record()
-                if k == 0:  # the spans: planned once the first batch's copies are queued (they need none)
-                    spans, lengths, at, span_cuts, word = self._route(pages, placed)
-                a, b = span_cuts[k], span_cuts[k + 1]
-                keep: slice | np.ndarray = slice(None)
+                spans, lengths, at, word = next(routes)  # planned once the batch's copies are queued (they need none)
                 if not every:  # the spans of the pages that arrived
-                    keep = ok[np.searchsorted(page_at, at[a:b], side="right") - 1 - first]
+                    keep = ok[np.searchsorted(page_at, at, side="right") - 1 - first]
+                    spans, lengths, at = spans[keep], lengths[keep], at[keep]
                 with torch.cuda.stream(kernels):
                     kernels.wait_event(slot.filled)
-                    self.copier.move(
-                        spans[a:b][keep], lengths[a:b][keep], slot.device, at[a:b][keep] - base, slot.table,
-                        gather=False, word=word,
-                    )  # fmt: skip
+                    self.copier.move(spans, lengths, slot.device, at - base, slot.table, gather=False, word=word)
                     slot.done.record()
                 in_flight.append((held, slot.filled))
                 held = None

@@ -20,8 +20,10 @@ rank-free (`rank_free` -> `own_pages`). Adapters only say what the engine holds.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Generic, NamedTuple, TypeVar
 
 from ..spec import GroupKind, page_key, shard_key
@@ -53,6 +55,11 @@ class Page(NamedTuple, Generic[G]):
     block: int | None = None  # physical block in the cache; None until placed through a block table
 
 
+# A Page from a (key, group, index, block) tuple, in C: `map` of it makes a restore's pages without a
+# Python call each (`Page(...)` runs the tuple class's generated `__new__`).
+_page_of = functools.partial(tuple.__new__, Page)
+
+
 def physical_block(table: BlockTable, group: GroupView, index: int) -> int:
     """Where block `index` of a request lives for `group`, under `table`."""
     return table[group.index][index] if isinstance(table, Mapping) else table[index]
@@ -63,6 +70,15 @@ def store_key(layout: LayoutView, block_key: bytes, group: GroupView, rank: int 
     scheduler's rank-free view names rank 0's): `page(...).key` without building the page."""
     rank = layout.tp_rank if rank is None else rank
     return page_key(shard_key(block_key, rank, layout.tp_size, group.tp_replicas), group.name)
+
+
+def _store_keys(layout: LayoutView, block_keys: Sequence[bytes], group: GroupView, blocks: Iterable[int], rank: int):
+    """`store_key` of `group`'s pages of `blocks`: on one rank a block key is its own shard's, so each is
+    one remembered `page_key` (a restore's lookup and load derive hundreds on its critical path)."""
+    if layout.tp_size == 1:
+        name = group.name
+        return [page_key(block_keys[i], name) for i in blocks]
+    return [store_key(layout, block_keys[i], group, rank) for i in blocks]
 
 
 def page(
@@ -96,8 +112,9 @@ def _pages(
     per_group = []  # one list per group (a comprehension each), interleaved block by block below
     for g in _groups(layout, kind):
         at = None if table is None else table[g.index] if isinstance(table, Mapping) else table
+        places = repeat(None) if at is None else map(at.__getitem__, blocks)
         per_group.append(
-            [Page(store_key(layout, block_keys[i], g, rank), g, i, None if at is None else at[i]) for i in blocks]
+            list(map(_page_of, zip(_store_keys(layout, block_keys, g, blocks, rank), repeat(g), blocks, places)))
         )
     return per_group[0] if len(per_group) == 1 else [p for block in zip(*per_group) for p in block]
 
@@ -108,6 +125,8 @@ def every_rank_keys(
     """The store keys of pages, each a (block index, group), on every TP rank (a key ranks share once)
     -> their block index. The one place that spells out every rank's keys of a block."""
     pages = list(pages)
+    if layout.tp_size == 1:  # a block key is its own shard's (`_store_keys`)
+        return {page_key(block_keys[i], g.name): i for i, g in pages}
     return {store_key(layout, block_keys[i], g, rank): i for rank in range(layout.tp_size) for i, g in pages}
 
 

@@ -50,9 +50,16 @@ _lease_ids = itertools.count(1)  # unique across stores: a lease released twice 
 
 
 class _Batch(NamedTuple):
-    """A reservation's handle: item -> reserved slot, and its keys and sizes."""
+    """A reservation's handle: each item's reserved slot (-1: none), its keys and sizes."""
 
-    slots: dict[int, int]
+    slots: list[int]
+    keys: list[bytes]
+    sizes: list[int]
+
+
+class _Evicted(NamedTuple):
+    """The entries a reservation evicted: their keys and bytes (two columns: a batch evicts hundreds)."""
+
     keys: list[bytes]
     sizes: list[int]
 
@@ -128,7 +135,7 @@ class MemoryStore(Store):
             self._arena.free(slot)
         return nbytes, None
 
-    def _reserve(self, key: bytes, cls: int, batch: dict[int, int], evicted: list[tuple[bytes, int]]) -> int | None:
+    def _reserve(self, key: bytes, cls: int, batch: dict[int, int], evicted: _Evicted) -> int | None:
         """A slot for a new value of `key`, making room: the key's old value first, then the least
         policy's victim among unheld entries, then this batch's own earliest reservation. None: all held.
         A class found full (starved) is not searched again until a slot is freed."""
@@ -140,7 +147,8 @@ class MemoryStore(Store):
                 slot = self._unindex(key, cls)[1]  # replaced anyway: not an eviction
             elif (victim := self._policy.victim(self._unheld)) is not None:
                 nbytes, slot = self._unindex(victim, cls)
-                evicted.append((victim, nbytes))  # counted once per batch
+                evicted.keys.append(victim)  # counted once per batch
+                evicted.sizes.append(nbytes)
             elif batch:
                 arena.free(batch.pop(next(iter(batch))))
             else:
@@ -149,28 +157,26 @@ class MemoryStore(Store):
                 slot = arena.take(cls)
         return slot
 
-    def _reserve_run(
-        self, keys: list[bytes], sizes: list[int], batch: dict[int, int], evicted: list[tuple[bytes, int]]
-    ) -> int:
-        """The hot path of `_reserve_slots`: a batch of one size class whose keys are all new takes its
-        slots a chunk at a time and, in a full arena, evicts its LRU victims at once, where those are
-        unheld and of the class (the slots `_reserve` would hand out, one by one). Returns how many
-        leading items have a slot; the rest take the per-value path."""
-        classes = set(sizes)
-        if not self._bulk or len(classes) != 1 or len(set(keys)) != len(keys):
-            return 0
+    def _reserve_run(self, keys: list[bytes], distinct: set[int], evicted: _Evicted) -> list[int]:
+        """The hot path of `_reserve_slots`: a batch of one size class (`distinct`: its sizes) whose keys
+        are all new takes its slots a chunk at a time and, in a full arena, evicts its LRU victims at
+        once, where those are unheld and of the class (the slots `_reserve` would hand out, one by one).
+        Returns the slots of the leading items that have one; the rest take the per-value path."""
+        if not self._bulk or len(distinct) != 1 or len(set(keys)) != len(keys):
+            return []
         if not self._index.keys().isdisjoint(keys):
-            return 0
-        cls = self._arena.class_of(classes.pop())
+            return []
+        cls = self._arena.class_of(next(iter(distinct)))
         slots = self._arena.take_many(cls, len(keys))
         short = len(keys) - len(slots)
         chunks = self._arena.chunks
 
         gone: list[tuple[int, int]] = []  # the victims' index entries, taken out by may_go
+        taken: list[int] = []  # their slots
 
         def may_go(victims: list[bytes]) -> bool:  # unheld, and slots of this class: handed on as they are
             gone[:] = map(self._index.pop, victims)  # one lookup each: put back below if they may not go
-            taken = list(map(itemgetter(0), gone))
+            taken[:] = map(itemgetter(0), gone)
             lo, hi = min(taken) >> SHIFT, max(taken) >> SHIFT  # mostly one chunk: no set of chunk ids
             chunk_ids = (lo,) if lo == hi else {slot >> SHIFT for slot in taken}
             if self._holds.keys().isdisjoint(taken) and all(chunks[c].slot_bytes == cls for c in chunk_ids):
@@ -180,12 +186,12 @@ class MemoryStore(Store):
 
         victims = (self._policy.victims(short, may_go) if short else None) or []
         if victims:
-            gone_slots, freed = zip(*gone)
-            slots += gone_slots
+            freed = list(map(itemgetter(1), gone))
+            slots += taken
             self._used -= sum(freed)
-            evicted += zip(victims, freed)
-        batch.update(enumerate(slots))
-        return len(slots)
+            evicted.keys.extend(victims)
+            evicted.sizes.extend(freed)
+        return slots
 
     def _unheld(self, key: bytes) -> bool:
         """May `key` be evicted: nobody holds its slot."""
@@ -252,13 +258,14 @@ class MemoryStore(Store):
         return held
 
     # -- writes ----------------------------------------------------------------------------------
-    def _reserve_slots(self, keys: list[bytes], sizes: list[int]) -> Reservation:
-        batch: dict[int, int] = {}  # item -> reserved slot (in item order where the run took them all)
-        evicted: list[tuple[bytes, int]] = []  # (key, bytes)
+    def _reserve_slots(self, keys: list[bytes], sizes: list[int], distinct: set[int]) -> Reservation:
+        evicted = _Evicted([], [])
         with self._lock:
-            start = self._reserve_run(keys, sizes, batch, evicted)
-            if start < len(keys):
-                classes = {n: self._arena.class_of(n) for n in set(sizes)}  # a layout has few page sizes
+            slots = self._reserve_run(keys, distinct, evicted)  # the leading items', in item order
+            if len(slots) < len(keys):
+                start = len(slots)
+                batch = dict(enumerate(slots))  # item -> reserved slot
+                classes = {n: self._arena.class_of(n) for n in distinct}  # a layout has few page sizes
                 latest = dict(zip(keys[:start], range(start)))  # key -> the item of this batch that will hold it
                 for i in range(start, len(keys)):
                     key = keys[i]
@@ -267,14 +274,14 @@ class MemoryStore(Store):
                     slot = self._reserve(key, classes[sizes[i]], batch, evicted)
                     if slot is not None:
                         batch[i], latest[key] = slot, i
-            slots = list(batch.values()) if start == len(keys) else [batch.get(i, -1) for i in range(len(keys))]
+                slots = [batch.get(i, -1) for i in range(len(keys))]
             addresses, room = self._arena.locate(slots)
-            self._pending += len(batch)
-        if evicted:
-            self._count(evictions=len(evicted), evicted_bytes=sum(map(itemgetter(1), evicted)))
+            self._pending += len(slots) - slots.count(-1)
+        if evicted.keys:
+            self._count(evictions=len(evicted.keys), evicted_bytes=sum(evicted.sizes))
             if self._on_evict is not None:  # a key this batch writes again is not gone
-                self._report_evicted(list({k for k, _ in evicted}.difference(keys)))
-        handle = _Batch(batch, keys, sizes)
+                self._report_evicted(list(set(evicted.keys).difference(keys)))
+        handle = _Batch(slots, keys, sizes)
         return Reservation(list(zip(keys, sizes)), SlotViews(self._arena, slots, sizes), handle, addresses, room)
 
     def publish(self, reservation: Reservation, filled: Sequence[bool]) -> list[bool]:
@@ -282,21 +289,24 @@ class MemoryStore(Store):
         handle = reservation.handle
         if not isinstance(handle, _Batch):
             raise TypeError(f"memory store {self.url}: not one of its reservations")
-        batch, keys, sizes = handle
+        slots, keys, sizes = handle
         index, insert, used, total = self._index, self._policy.insert, 0, 0
+        reserved = len(slots) - slots.count(-1)
         with self._lock:
-            self._pending -= len(batch)
-            if self._bulk and len(batch) == len(keys) and all(filled) and index.keys().isdisjoint(keys):  # new
-                index.update(zip(keys, zip(batch.values(), sizes)))  # batch: item order (see _reserve_slots)
+            self._pending -= reserved
+            if self._bulk and reserved == len(keys) and all(filled) and index.keys().isdisjoint(keys):  # new
+                index.update(zip(keys, zip(slots, sizes)))
                 self._policy.insert_many(keys, sizes)
                 total = sum(sizes)
                 self._used += total
                 written = [True] * len(keys)
-                batch = {}
+                slots = []
             else:
                 written = [False] * len(keys)
-            for i, slot in batch.items():
+            for i, slot in enumerate(slots):
                 key, nbytes = keys[i], sizes[i]
+                if slot < 0:
+                    continue
                 if not filled[i]:
                     self._arena.free(slot)
                     continue
@@ -308,7 +318,7 @@ class MemoryStore(Store):
                 written[i] = True
             self._used += used
         total += used
-        ok, declined = sum(written), sum(1 for i in batch if not written[i])
+        ok, declined = sum(written), sum(1 for i, slot in enumerate(slots) if slot >= 0 and not written[i])
         self._count(puts=ok, put_bytes=total, dropped_puts=len(keys) - ok - declined)
         return written
 
@@ -328,16 +338,18 @@ class MemoryStore(Store):
         that one), invisible until `publish`; `write_many` is reserve, fill, publish."""
         keys, sizes = (list(column) for column in zip(*items)) if items else ([], [])
         keys = check_keys(keys, self.max_key_bytes, self.url)
-        if not set(map(type, sizes)) <= {int}:
+        distinct = set(sizes)  # a layout has few page sizes: checked once each
+        if not {type(n) for n in distinct} <= {int}:
             sizes = [int(n) for n in sizes]
-        for n in {n for n in set(sizes) if n < 0 or n > self.max_entry_bytes}:  # a layout has few page sizes
+            distinct = set(sizes)
+        for n in {n for n in distinct if n < 0 or n > self.max_entry_bytes}:
             if n < 0:
                 raise ValueError(f"a value size must not be negative, got {n}")
             raise EntryTooLargeError(
                 f"a {n}-byte value cannot fit in {self.url}: it takes entries up to {self.max_entry_bytes} "
                 f"bytes (capacity {self.capacity} bytes); raise the capacity"
             )
-        return self._reserve_slots(keys, sizes)
+        return self._reserve_slots(keys, sizes, distinct)
 
     # -- reads -----------------------------------------------------------------------------------
     def read_many(self, keys: Sequence[bytes], consume: Callable[[int, memoryview], None]) -> list[bool]:

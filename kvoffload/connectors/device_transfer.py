@@ -36,7 +36,7 @@ from .plan import Page
 from .span_copy import TILE_WORDS, SpanCopier, TileTable
 
 _T = TypeVar("_T")
-_GROUP, _BLOCK = attrgetter("group"), attrgetter("block")
+_KEY, _GROUP, _BLOCK = attrgetter("key"), attrgetter("group"), attrgetter("block")
 
 DEFAULT_STAGING_BYTES = 128 << 20  # per slot, made by `warm_up`
 # Staging slots per direction: batches in flight into and out of the arena (the host waits for the oldest
@@ -203,11 +203,12 @@ class DeviceTransfer:
         here, and a restore's hundred pages no numpy sort."""
         group_of = list(map(_GROUP, items))
         ids = list(map(id, group_of))
-        distinct = dict(zip(ids, group_of))  # id -> group, in order of first appearance
-        groups = list(distinct.values())
-        if len(groups) == 1:
+        if ids and ids.count(ids[0]) == len(ids):  # one group (a batch of small pages): no dict per page
+            groups = group_of[:1]
             which = np.zeros(len(items), dtype=np.int64)
         else:
+            distinct = dict(zip(ids, group_of))  # id -> group, in order of first appearance
+            groups = list(distinct.values())
             number = dict(zip(distinct, range(len(groups))))
             which = np.fromiter(map(number.__getitem__, ids), dtype=np.int64, count=len(items))
         sizes = np.asarray([g.used_bytes_per_block for g in groups], dtype=np.int64)[which]
@@ -435,7 +436,7 @@ class DeviceTransfer:
         routes = self._routes(pages, placed)
         self._wait("save_kernel", after)
         kernels, copies = self.streams["save_kernel"], self.streams["save"]
-        keys, size_list = [item.key for item in pages], sizes.tolist()
+        size_list = sizes.tolist()
         written: list[bool] = []
         in_flight: deque[tuple[Reservation, torch.cuda.Event]] = deque()  # oldest first
         reservation: Reservation | None = None
@@ -447,7 +448,7 @@ class DeviceTransfer:
                 with torch.cuda.stream(kernels):  # the gather runs while the host reserves the slots
                     self.copier.move(spans, lengths, slot.device, at - base, slot.table, gather=True, word=word)
                     slot.filled.record()
-                reservation = store.reserve(list(zip(keys[first:end], size_list[first:end])))
+                reservation = store.reserve(list(zip(map(_KEY, pages[first:end]), size_list[first:end])))
                 with torch.cuda.stream(copies):
                     copies.wait_event(slot.filled)
                     room = reservation.room
@@ -525,13 +526,12 @@ class DeviceTransfer:
         placed = self._place(pages, columns)
         _, _, sizes, page_at, cuts = placed
         routes = self._routes(pages, placed)
-        keys = [item.key for item in pages]
         arrived = np.zeros(len(pages), dtype=bool)
         in_flight: deque[tuple[HeldBatch, torch.cuda.Event]] = deque()  # oldest first
         held: HeldBatch | None = None
         try:
             for k, (first, end) in enumerate(zip(cuts, cuts[1:])):
-                held = store.acquire_batch(keys[first:end])
+                held = store.acquire_batch(list(map(_KEY, pages[first:end])))
                 ok = held.sizes == sizes[first:end]  # a miss (size 0) or a value of another size is not moved
                 every = bool(ok.all())
                 arrived[first:end] = ok

@@ -48,6 +48,10 @@ STAGING_SLOTS = 3
 # also costs ~0.1-0.3 ms of fixed host work. On the H200 (2,048 72 KiB pages): 512 moved them fastest
 # (32 / 128 / 256 / 512 / unbounded: save 0.12 / 0.27 / 0.28 / 0.37 / 0.33 of a raw copy).
 BATCH_PAGES = 512
+# A call's first batch is held (a load) or reserved (a save) in two parts: its first LEAD_BYTES cross the
+# link while the host takes the rest (a lease or reservation of 512 small pages costs 0.15-0.4 ms, which
+# would otherwise all precede the call's first DMA).
+LEAD_BYTES = 8 << 20
 # Tile-table rows made ahead per slot (24 MiB of pinned host memory); a larger batch grows its table.
 MAX_RESERVED_TILES = 1 << 20
 
@@ -438,8 +442,8 @@ class DeviceTransfer:
         kernels, copies = self.streams["save_kernel"], self.streams["save"]
         size_list = sizes.tolist()
         written: list[bool] = []
-        in_flight: deque[tuple[Reservation, torch.cuda.Event]] = deque()  # oldest first
-        reservation: Reservation | None = None
+        in_flight: deque[tuple[list[Reservation], torch.cuda.Event]] = deque()  # oldest first
+        reserved: list[Reservation] = []  # the reservations of the batch being queued
         try:
             for k, (first, end) in enumerate(zip(cuts, cuts[1:])):
                 base = int(page_at[first])
@@ -448,26 +452,28 @@ class DeviceTransfer:
                 with torch.cuda.stream(kernels):  # the gather runs while the host reserves the slots
                     self.copier.move(spans, lengths, slot.device, at - base, slot.table, gather=True, word=word)
                     slot.filled.record()
-                reservation = store.reserve(list(zip(map(_KEY, pages[first:end]), size_list[first:end])))
                 with torch.cuda.stream(copies):
                     copies.wait_event(slot.filled)
-                    room = reservation.room
-                    addresses = reservation.addresses
-                    if addresses is None:
-                        addresses = np.asarray(
-                            [0 if out is None else host_address(out) for out in reservation.destinations], np.int64
-                        )
-                    for address, offset, n in runs(addresses, sizes[first:end], page_at[first:end] - base, room):
-                        host_tensor(address, n).copy_(slot.device[offset : offset + n], non_blocking=True)
+                    for a, b in self._parts(page_at, first, end, k):
+                        reserved.append(store.reserve(list(zip(map(_KEY, pages[a:b]), size_list[a:b]))))
+                        room, addresses = reserved[-1].room, reserved[-1].addresses
+                        if addresses is None:
+                            addresses = np.asarray(
+                                [0 if out is None else host_address(out) for out in reserved[-1].destinations],
+                                np.int64,
+                            )
+                        for address, offset, n in runs(addresses, sizes[a:b], page_at[a:b] - base, room):
+                            host_tensor(address, n).copy_(slot.device[offset : offset + n], non_blocking=True)
                     slot.done.record()
-                in_flight.append((reservation, slot.done))
-                reservation = None
+                in_flight.append((reserved, slot.done))
+                reserved = []
                 if len(in_flight) == STAGING_SLOTS:  # the oldest batch: published once copied
                     written += self._publish(store, *in_flight.popleft())
         finally:
-            if reservation is not None:  # an error while copying into it: give its slots back, unwritten
+            if reserved:  # an error while copying into them: their slots go back, unwritten
                 copies.synchronize()
-                store.publish(reservation, [False] * len(reservation.items))
+                for reservation in reserved:
+                    store.publish(reservation, [False] * len(reservation.items))
             while in_flight:
                 written += self._publish(store, *in_flight.popleft())
         if len(cuts) > 2 and any(written):  # a later batch may have evicted an earlier one's pages
@@ -476,9 +482,19 @@ class DeviceTransfer:
         return self._ungrouped(written, order)
 
     @staticmethod
-    def _publish(store: Store, reservation, event) -> list[bool]:
+    def _parts(page_at: np.ndarray, first: int, end: int, k: int) -> tuple[tuple[int, int], ...]:
+        """Batch `k`'s pages [first, end) as the leases or reservations they are queued in: the first
+        batch's first LEAD_BYTES alone (they cross the link while the host takes the rest), any other
+        batch whole."""
+        if k:
+            return ((first, end),)
+        mid = min(end, int(np.searchsorted(page_at, page_at[first] + LEAD_BYTES)))  # > first
+        return ((first, mid), (mid, end)) if mid < end else ((first, end),)
+
+    @staticmethod
+    def _publish(store: Store, reservations: list[Reservation], event) -> list[bool]:
         event.synchronize()  # published only once the bytes are in the slots
-        return store.publish(reservation, reservation.filled_all())
+        return [ok for reservation in reservations for ok in store.publish(reservation, reservation.filled_all())]
 
     def load(self, store: Store, pages: Sequence[Page], after=None) -> list[bool]:
         """Restore the pages batch by batch; a page missing, failing its checksum or of another size is a
@@ -527,23 +543,20 @@ class DeviceTransfer:
         _, _, sizes, page_at, cuts = placed
         routes = self._routes(pages, placed)
         arrived = np.zeros(len(pages), dtype=bool)
-        in_flight: deque[tuple[HeldBatch, torch.cuda.Event]] = deque()  # oldest first
-        held: HeldBatch | None = None
+        in_flight: deque[tuple[list[HeldBatch], torch.cuda.Event]] = deque()  # oldest first
+        held: list[HeldBatch] = []  # the leases of the batch being queued
         try:
             for k, (first, end) in enumerate(zip(cuts, cuts[1:])):
-                held = store.acquire_batch(list(map(_KEY, pages[first:end])))
-                ok = held.sizes == sizes[first:end]  # a miss (size 0) or a value of another size is not moved
-                every = bool(ok.all())
-                arrived[first:end] = ok
                 base = int(page_at[first])
                 slot = self._slot("load", k % STAGING_SLOTS, int(page_at[end - 1] + sizes[end - 1]) - base)
-                addresses = held.addresses if every else np.where(ok, held.addresses, 0)
                 with torch.cuda.stream(copies):
-                    for address, offset, n in runs(addresses, sizes[first:end], page_at[first:end] - base, held.room):
-                        slot.device[offset : offset + n].copy_(host_tensor(address, n), non_blocking=True)
+                    for a, b in self._parts(page_at, first, end, k):
+                        held.append(store.acquire_batch(list(map(_KEY, pages[a:b]))))
+                        self._copy_in(held[-1], sizes[a:b], page_at[a:b] - base, arrived[a:b], slot)
                     slot.filled.record()
                 spans, lengths, at, word = next(routes)  # planned once the batch's copies are queued (they need none)
-                if not every:  # the spans of the pages that arrived
+                ok = arrived[first:end]
+                if not ok.all():  # the spans of the pages that arrived
                     keep = ok[np.searchsorted(page_at, at, side="right") - 1 - first]
                     spans, lengths, at = spans[keep], lengths[keep], at[keep]
                 with torch.cuda.stream(kernels):
@@ -551,18 +564,27 @@ class DeviceTransfer:
                     self.copier.move(spans, lengths, slot.device, at - base, slot.table, gather=False, word=word)
                     slot.done.record()
                 in_flight.append((held, slot.filled))
-                held = None
+                held = []
                 if len(in_flight) == STAGING_SLOTS:  # the oldest batch's slots are read: given back
                     oldest, filled = in_flight.popleft()
                     filled.synchronize()
-                    store.release_batch(oldest)
+                    deque(map(store.release_batch, oldest), maxlen=0)
             copies.synchronize()  # every copy done: the slots go back while the last scatters run
             while in_flight:
-                store.release_batch(in_flight.popleft()[0])
+                deque(map(store.release_batch, in_flight.popleft()[0]), maxlen=0)
             kernels.synchronize()  # scattered: compute may read the blocks
         finally:
             copies.synchronize()
-            for batch in [held, *(lease for lease, _ in in_flight)]:
-                if batch is not None:
-                    store.release_batch(batch)
+            for lease in [*held, *(lease for leases, _ in in_flight for lease in leases)]:
+                store.release_batch(lease)
         return self._ungrouped(arrived, order)
+
+    @staticmethod
+    def _copy_in(held: HeldBatch, sizes: np.ndarray, at: np.ndarray, arrived: np.ndarray, slot: _Slot) -> None:
+        """Queue the DMAs of held pages into `slot`'s device staging at offsets `at` (on the current
+        stream), one per run of adjacent slots; marks in `arrived` those that did: a miss (size 0) or a
+        value of another size is not moved."""
+        arrived[:] = ok = held.sizes == sizes
+        addresses = held.addresses if ok.all() else np.where(ok, held.addresses, 0)
+        for address, offset, n in runs(addresses, sizes, at, held.room):
+            slot.device[offset : offset + n].copy_(host_tensor(address, n), non_blocking=True)

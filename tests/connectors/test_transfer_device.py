@@ -321,3 +321,44 @@ def test_interleaved_groups_move_in_runs_and_answer_in_the_callers_order(monkeyp
             assert np.array_equal(after.gather(into.group, into.block), before.gather(p.group, p.block))
         else:
             assert not after.gather(into.group, into.block).any()
+
+
+@pytest.mark.skipif(not GPU, reason="the in-place arena paths run on a GPU only")
+@pytest.mark.parametrize("lead_pages", [1, 3])
+def test_a_calls_first_batch_in_two_parts_moves_every_page_and_returns_both(monkeypatch, lead_pages):
+    """The first batch's first LEAD_BYTES cross the link while the rest is reserved (a save) or held (a
+    load) as a second part: every page is stored and restored byte for byte, misses in either lease are
+    not scattered, and both leases go back."""
+    from kvoffload.connectors import device_transfer as dt
+    from kvoffload.store import MemoryStore
+
+    paged, state = _groups()
+    monkeypatch.setattr(dt, "LEAD_BYTES", lead_pages * paged.used_bytes_per_block)
+    source = torch.randint(0, 256, (48 * STRIDE,), dtype=torch.uint8, device="cuda")
+    transfer = _transfer(source, TRITON)
+    store = MemoryStore(8 << 20, chunk_bytes=2 << 20)
+    items = [Page(f"k{b}".encode(), paged, b, b) for b in range(20)]
+    reservations = []
+    real_reserve = store.reserve
+    monkeypatch.setattr(store, "reserve", lambda it: reservations.append(len(it)) or real_reserve(it))
+    assert transfer.save(store, items) == [True] * len(items)
+    assert reservations == [lead_pages, len(items) - lead_pages]  # one batch (20 small pages), two parts
+    before = HostTransfer(source.cpu())
+    for p in items:
+        assert bytes(store.get(p.key)) == before.gather(p.group, p.block).tobytes()
+    store.delete(items[0].key)  # a miss in the first lease
+    store.delete(items[12].key)  # and in the second
+    leases = []
+    real_acquire = store.acquire_batch
+    monkeypatch.setattr(store, "acquire_batch", lambda keys, **kw: leases.append(len(keys)) or real_acquire(keys, **kw))
+    source[24 * STRIDE :] = 0
+    moved = [p._replace(block=p.block + 24) for p in items]
+    ok = transfer.load(store, moved)
+    assert ok == [i not in (0, 12) for i in range(len(items))]
+    assert leases[:2] == [lead_pages, len(items) - lead_pages]  # one batch (20 small pages), two leases
+    assert store.stats()["held"] == 0  # both given back
+    torch.cuda.synchronize()
+    after = HostTransfer(source.cpu())
+    for i, (p, into) in enumerate(zip(items, moved)):
+        expected = before.gather(p.group, p.block) if ok[i] else np.zeros_like(before.gather(p.group, p.block))
+        assert np.array_equal(after.gather(into.group, into.block), expected)

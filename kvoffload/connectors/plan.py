@@ -72,7 +72,9 @@ def store_key(layout: LayoutView, block_key: bytes, group: GroupView, rank: int 
     return page_key(shard_key(block_key, rank, layout.tp_size, group.tp_replicas), group.name)
 
 
-def _store_keys(layout: LayoutView, block_keys: Sequence[bytes], group: GroupView, blocks: Iterable[int], rank: int):
+def _store_keys(
+    layout: LayoutView, block_keys: Sequence[bytes], group: GroupView, blocks: Iterable[int], rank: int
+) -> list[bytes]:
     """`store_key` of `group`'s pages of `blocks`: on one rank a block key is its own shard's, so each is
     one remembered `page_key` (a restore's lookup and load derive hundreds on its critical path)."""
     if layout.tp_size == 1:

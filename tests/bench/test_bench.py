@@ -213,3 +213,20 @@ def test_warmstart_benchmark_needs_a_gpu(capsys):
         pytest.skip("a GPU is here: the benchmark runs (see BENCHMARKS, bench warmstart)")
     assert main(["bench", "warmstart", "--quick", "--out", ""]) == 2
     assert "needs a CUDA or ROCm device" in capsys.readouterr().err
+
+
+def test_warmstart_reports_the_median_process_and_equal_pages_only_if_every_process_had_them():
+    """A first restore happens once per process: the row is the median of its fresh processes (not the
+    best), each process's figure is kept, and one process with unequal pages fails the row."""
+    from kvoffload.bench.warmstart import _median_row
+
+    runs = [
+        {"first_of_raw": r, "second_of_raw": 0.9, "warm_up_ms": 700.0, "pages_equal": True, "first_restore_ms": m}
+        for r, m in ((0.91, 5.0), (0.70, 6.5), (0.84, 5.4))
+    ]
+    row = _median_row(runs)
+    assert row["first_of_raw"] == 0.84 and row["first_restore_ms"] == 5.4 and row["pages_equal"]
+    assert [r["first_of_raw"] for r in row["runs"]] == [0.91, 0.70, 0.84]
+    runs[0]["pages_equal"] = False
+    assert _median_row(runs)["pages_equal"] is False
+    assert "runs" not in _median_row(runs[:1])  # one process (the warm start off): its own row

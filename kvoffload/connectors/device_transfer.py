@@ -1,28 +1,27 @@
-"""Page moves for a cache in GPU memory at link speed: the pages of many blocks and groups are gathered
-on the device into one staging buffer by one kernel (`span_copy`), then cross the link in one copy to
-pinned host memory; loads go the other way. Saves and loads run on their own streams, ordered after
+"""Page moves for a cache in GPU memory at link speed: the pages of many blocks are gathered on the device
+into one staging buffer, a launch per group (`span_copy`), then cross the link in one copy to pinned host
+memory; loads go the other way. Saves and loads run on their own streams, ordered after
 the compute that wrote the blocks (saves) or before the compute that reads them (loads) by stream
 waits and events, so compute is never stalled by the host. Several staging slots per direction let the
 next batches move while the store takes the last one.
 
 Warm start (`warm_up`, run by the `Offloader` that owns the transfer, so at an engine's start): the
-staging slots (`STAGING_SLOTS` per direction), their tile tables, the copy kernel for every word size
-the layout's spans can use and the wrapping of host memory by address are made before the first
-request. Made lazily, they cost the first restore of a process (the restart that offload exists for)
-some 100-200 ms: page-locking 768 MiB and compiling kernels.
+staging slots (`STAGING_SLOTS` per direction), their page tables, every group's page template on the
+device, the copy kernel for every word size they move in and the wrapping of host memory by address are
+made before the first request. Made lazily, they cost the first restore of a process (the restart that
+offload exists for) some 100-200 ms: page-locking 768 MiB and compiling kernels.
 
 Only torch's stream, event and pinned-memory calls are used: on ROCm builds of torch they are HIP's.
 On a CPU buffer the same code runs without streams (used by the tests on machines without a GPU)."""
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from operator import attrgetter
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -33,7 +32,7 @@ from ..store.arena import PAGE as SLOT_ALIGN
 from ..store.base import HeldBatch, Reservation, host_address
 from .host_runs import host_tensor, runs
 from .plan import Page
-from .span_copy import TILE_WORDS, SpanCopier, TileTable
+from .span_copy import PageCopier, PageTable
 
 _T = TypeVar("_T")
 _KEY, _GROUP, _BLOCK = attrgetter("key"), attrgetter("group"), attrgetter("block")
@@ -52,8 +51,6 @@ BATCH_PAGES = 512
 # link while the host takes the rest (a lease or reservation of 512 small pages costs 0.15-0.4 ms, which
 # would otherwise all precede the call's first DMA).
 LEAD_BYTES = 8 << 20
-# Tile-table rows made ahead per slot (24 MiB of pinned host memory); a larger batch grows its table.
-MAX_RESERVED_TILES = 1 << 20
 
 
 class _Slot:
@@ -63,7 +60,7 @@ class _Slot:
         self.device = torch.empty(nbytes, dtype=torch.uint8, device=device) if gpu else self.host
         self.event = torch.cuda.Event() if gpu else None  # the slot's last use is done
         self.staged = torch.cuda.Event() if gpu else None  # its device buffer is filled (in-place paths)
-        self.table = TileTable(device) if gpu else None
+        self.table = PageTable(device) if gpu else None
         self.host_bytes = self.host.numpy()
 
     @property
@@ -82,10 +79,23 @@ class _Slot:
 
 
 def _gpu_only(part: _T | None) -> _T:
-    """A GPU slot's event or tile table, on a path that runs on a GPU only (a CPU slot has none)."""
+    """A GPU slot's event or page table, on a path that runs on a GPU only (a CPU slot has none)."""
     if part is None:
-        raise RuntimeError("a staging slot of a CPU buffer has no events or tile table")
+        raise RuntimeError("a staging slot of a CPU buffer has no events or page table")
     return part
+
+
+class _Placed(NamedTuple):
+    """A call's pages as columns (`DeviceTransfer._place`): their distinct groups, each page's group (an
+    index into those), size, block and offset in the staging order, and where each batch starts (and,
+    last, the end)."""
+
+    groups: list[CacheGroup]
+    which: np.ndarray
+    sizes: np.ndarray
+    blocks: np.ndarray
+    page_at: np.ndarray
+    cuts: list[int]
 
 
 class DeviceTransfer:
@@ -97,7 +107,7 @@ class DeviceTransfer:
         self.buffer = buffer.view(torch.uint8).reshape(-1)
         self.device = self.buffer.device
         self.gpu = self.device.type == "cuda"
-        self.copier = SpanCopier(self.buffer, use_triton)
+        self.copier = PageCopier(self.buffer, use_triton)
         self.staging_bytes = staging_bytes
         # In-place paths run kernels (gather, scatter) on their own streams, so one batch's kernel
         # overlaps the neighbouring batch's DMA.
@@ -107,68 +117,41 @@ class DeviceTransfer:
             else {}
         )
         self._slots: dict[tuple[str, int], _Slot] = {}
-        self._templates: dict[int, tuple] = {}
-        self._words: dict[tuple[int, ...], tuple] = {}  # groups (ids) -> (the groups, the word they move in)
         self.warm_up_s: float | None = None  # the warm start's cost, once `warm_up` ran
 
     def warm_up(self, groups: Sequence[CacheGroup]) -> float:
         """Make now what a first save or load of `groups`' pages would make: both directions' staging
-        slots at full size (page-locked host, device), their tile tables sized for a slot of the
-        smallest page, the copy kernel for every word size their spans can be moved in, and one pass of
-        the host's batch planning. Returns (and keeps in `warm_up_s`) its cost in seconds; nothing to
-        do on the CPU."""
+        slots at full size (page-locked host, device), their page tables sized for a full batch, every
+        group's page template on the device and the copy kernel for the word it moves in (one gather of
+        a page of each into staging), and one pass of the host's batch planning. Returns (and keeps in
+        `warm_up_s`) its cost in seconds; nothing to do on the CPU."""
         started = time.perf_counter()
         if self.gpu and groups:
             size = max(self.staging_bytes, max(g.used_bytes_per_block for g in groups))
-            rows = max(self._tile_rows(g) for g in groups)
+            rows = max(min(BATCH_PAGES, max(1, self.staging_bytes // max(1, g.used_bytes_per_block))) for g in groups)
             for direction in ("save", "load"):
                 for index in range(STAGING_SLOTS):
                     slot = self._slot(direction, index, size)
                     _gpu_only(slot.table).reserve(rows)
             slot = self._slots[("save", 0)]
+            zero = np.zeros(1, dtype=np.int64)
             with self._on("save"):
-                for w in (8, 4, 2, 1):  # one read of w bytes of the cache compiles (or loads) word size w
-                    if w >= self._word_floor(groups):
-                        one = np.asarray([w], dtype=np.int64)
-                        zero = np.zeros(1, dtype=np.int64)
-                        self.copier.move(zero, one, slot.device, zero, slot.table, gather=True, word=w)
+                for group in groups:  # reads block 0's page: compiles (or loads) the kernel for its word
+                    self.copier.move(group, zero, zero, slot.device, slot.table, gather=True)
                 # The arena paths wrap host memory by address: the first wrap pays for numpy's set-up.
                 slot.device[:1].copy_(host_tensor(slot.host.data_ptr(), 1), non_blocking=True)
             # The host's planning of a batch (a page of each group): numpy's first calls cost ~0.1 ms each.
             items, columns, _ = self._grouped([Page(b"", g, 0, 0) for g in groups])
-            deque(self._routes(items, self._place(items, columns)), maxlen=0)
+            self._group_runs(self._place(items, columns).which, groups)
             runs(np.ones(1, np.int64), np.ones(1, np.int64), np.zeros(1, np.int64))
             torch.cuda.synchronize(self.device)
         self.warm_up_s = time.perf_counter() - started
         return self.warm_up_s
 
-    def _tile_rows(self, group: CacheGroup) -> int:
-        """Tile-table rows a full slot of `group`'s pages needs (every span of every page, cut in tiles)."""
-        _, _, length, _ = self._template(group)
-        pages = min(BATCH_PAGES, max(1, self.staging_bytes // max(1, group.used_bytes_per_block)))
-        tiles = pages * int(np.sum(-(-length // TILE_WORDS)))  # in bytes: at least the tiles of any word size
-        return min(tiles, MAX_RESERVED_TILES)
-
-    def _word_floor(self, groups: Sequence[CacheGroup]) -> int:
-        """The smallest word any batch of these groups' spans can be moved in (the gcd of every offset,
-        stride and length, with the buffer's and the slots' sizes); found once per set of groups."""
-        known = tuple(map(id, groups))
-        entry = self._words.get(known)
-        if entry is not None and all(a is b for a, b in zip(entry[0], groups)):
-            return entry[1]
-        g = math.gcd(self.buffer.storage_offset(), self.buffer.numel(), self.staging_bytes)
-        for group in groups:
-            base, stride, length, rel = self._template(group)
-            spans = np.concatenate([base, stride, length, rel])
-            g = math.gcd(g, group.used_bytes_per_block, int(np.gcd.reduce(spans)))
-        word = next(w for w in (8, 4, 2, 1) if g % w == 0)
-        self._words[known] = (tuple(groups), word)  # the groups kept: an id is unique while they live
-        return word
-
     # -- batches and staging -------------------------------------------------------------------------
     def batches(self, items: Sequence[Page]) -> list[Sequence[Page]]:
         """Consecutive runs of items whose pages fit one staging slot (a larger page goes alone)."""
-        cuts = self._cuts(self._sizes(items))
+        cuts = self._place(items).cuts
         return [items[a:b] for a, b in zip(cuts, cuts[1:])]
 
     def _cuts(self, sizes: np.ndarray) -> list[int]:
@@ -218,46 +201,27 @@ class DeviceTransfer:
         sizes = np.asarray([g.used_bytes_per_block for g in groups], dtype=np.int64)[which]
         return groups, which, sizes
 
-    @classmethod
-    def _sizes(cls, items: Sequence[Page]) -> np.ndarray:
-        return cls._columns(items)[2]
+    def _move(self, placed: _Placed, first: int, end: int, slot: _Slot, gather: bool, keep=None) -> None:
+        """Queue the kernels moving pages [first, end) between the cache and `slot`'s device staging (page
+        i at `page_at[i] - page_at[first]`), one launch per run of one group's pages; `keep`: only the
+        pages it marks (a load's pages that arrived)."""
+        blocks, which = placed.blocks[first:end], placed.which[first:end]
+        at = placed.page_at[first:end] - placed.page_at[first]
+        if keep is not None and not keep.all():
+            blocks, which, at = blocks[keep], which[keep], at[keep]
+        if slot.table is not None:
+            slot.table.reserve(len(blocks))  # grown before the first launch: rows are not moved under a kernel
+        for group, a, b in self._group_runs(which, placed.groups):
+            self.copier.move(group, blocks[a:b], at[a:b], slot.device, slot.table, a, gather=gather)
 
-    def _template(self, group: CacheGroup) -> tuple[np.ndarray, ...]:
-        """Per span of a page, in page order: offset in block 0, block stride, length, offset in the page."""
-        entry = self._templates.get(id(group))
-        if entry is None or entry[0] is not group:
-            spans = np.asarray(group.page_spans(0), dtype=np.int64)
-            strides = np.asarray([r.block_stride for r in group.regions for _ in range(r.num_layers)], dtype=np.int64)
-            entry = self._templates[id(group)] = (
-                group,
-                spans[:, 0],
-                strides,
-                spans[:, 1],
-                np.cumsum(spans[:, 1]) - spans[:, 1],
-            )
-        return entry[1:]
-
-    def _spans(self, batch: Sequence[Page], page_at: np.ndarray, keep: Sequence[bool] | None = None):
-        """(buffer offsets, lengths, staging offsets) of every span of the batch's pages (those `keep`
-        marks), computed per group for all its blocks at once."""
-        if keep is not None and not all(keep):
-            chosen = [i for i, k in enumerate(keep) if k]
-            batch, page_at = [batch[i] for i in chosen], page_at[chosen]
-        groups, which, _ = self._columns(batch)
-        return self._group_spans(groups, which, np.fromiter(map(_BLOCK, batch), np.int64, len(batch)), page_at)
-
-    def _group_spans(self, groups: list[CacheGroup], which: np.ndarray, blocks: np.ndarray, page_at: np.ndarray):
-        """`_spans` of pages given as columns (`_columns`), grouped by group."""
-        parts = []
-        for k, group in enumerate(groups):
-            mine = slice(None) if len(groups) == 1 else which == k
-            base, stride, length, rel = self._template(group)
-            b, s = blocks[mine][:, None], page_at[mine][:, None]
-            parts.append(((base + b * stride).ravel(), np.tile(length, len(b)), (s + rel).ravel()))
-        if not parts:
-            empty = np.zeros(0, dtype=np.int64)
-            return empty, empty, empty
-        return tuple(np.concatenate(column) for column in zip(*parts))
+    @staticmethod
+    def _group_runs(which: np.ndarray, groups: Sequence[CacheGroup]) -> list[tuple[CacheGroup, int, int]]:
+        """(group, start, end) of each run of pages of one group (a call's pages are grouped: one run per
+        group; an ungrouped batch of `unpack` may have more)."""
+        if not len(which):
+            return []
+        cuts = [0, *(np.flatnonzero(np.diff(which)) + 1).tolist(), len(which)]
+        return [(groups[int(which[a])], a, b) for a, b in zip(cuts, cuts[1:])]
 
     # -- device -> host ------------------------------------------------------------------------------
     def fence(self):
@@ -297,60 +261,30 @@ class DeviceTransfer:
         back[order] = done
         return back.tolist()
 
-    def _place(self, items: Sequence[Page], columns: tuple | None = None):
-        """Where each page goes in staging and the batch cuts: (groups, each page's group, sizes, offsets
-        in staging, cuts). Offsets are multiples of the arena's slot size, so pages in adjacent slots are
-        adjacent in staging too: one DMA for both. All a load's copies need (its spans can wait)."""
+    def _place(self, items: Sequence[Page], columns: tuple | None = None) -> _Placed:
+        """Where each page goes in staging, and the batch cuts (`_Placed`). Offsets are multiples of the
+        arena's slot size, so pages in adjacent slots are adjacent in staging too: one DMA for both."""
         groups, which, sizes = columns or self._columns(items)
         spaced = -(-sizes // SLOT_ALIGN) * SLOT_ALIGN
         page_at = np.cumsum(spaced) - spaced
-        return groups, which, sizes, page_at, self._cuts(spaced)
-
-    def _route(self, items: Sequence[Page], placed):
-        """Every span of every placed page (`_place`), sorted by its place in the staging order, the cuts
-        over spans that match the batch cuts, and the word they all move in."""
-        groups, which, _, page_at, cuts = placed
         blocks = np.fromiter(map(_BLOCK, items), np.int64, len(items))
-        spans, lengths, at = self._group_spans(groups, which, blocks, page_at)
-        if len(groups) > 1:  # one group's spans come in staging order already
-            order = np.argsort(at, kind="stable")
-            spans, lengths, at = spans[order], lengths[order], at[order]
-        span_cuts = np.searchsorted(at, page_at[cuts[:-1]]).tolist() + [len(at)]
-        return spans, lengths, at, span_cuts, self._word_floor(groups)
+        return _Placed(groups, which, sizes, blocks, page_at, self._cuts(spaced))
 
-    def _routes(self, items: Sequence[Page], placed) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
-        """Each batch's spans (`_route`: buffer offsets, lengths, staging offsets) and word, in batch order.
-        The first batch's are planned alone; the others' in one pass when the second batch's are asked
-        for, once the caller queued the first batch's work: a call's first DMA waits for one batch's
-        span arithmetic, not all of it."""
-        groups, which, sizes, page_at, cuts = placed
-        for lo, hi in ((0, cuts[1]), (cuts[1], cuts[-1])):
-            if lo == hi:
-                return
-            part = (groups, which[lo:hi], sizes[lo:hi], page_at[lo:hi], [c - lo for c in cuts if lo <= c <= hi])
-            spans, lengths, at, span_cuts, word = self._route(items[lo:hi], part)
-            for a, b in zip(span_cuts, span_cuts[1:]):
-                yield spans[a:b], lengths[a:b], at[a:b], word
-
-    def _staged(self, items: Sequence[Page], after=None):
+    def _staged(self, items: Sequence[Page], placed: _Placed, after=None):
         """Yield (batch, slot, page offsets in the slot) batch by batch, the pages gathered into the slot's
-        device buffer and copied to its pinned host buffer; valid until the next batch
-        is requested. The next batch's gather is queued before this one is handed out."""
+        device buffer and copied to its pinned host buffer; valid until the next batch is requested. The
+        next batch's gather is queued before this one is handed out."""
         if not items:
             return
-        placed = self._place(items)
-        _, _, sizes, page_at, cuts = placed
-        routes = self._routes(items, placed)
+        sizes, page_at, cuts = placed.sizes, placed.page_at, placed.cuts
         self._wait("save", after)  # saved: what compute queued before this call (or `after`) wrote, nothing later
 
         def queue(k: int) -> _Slot:
-            first, last = cuts[k], cuts[k + 1] - 1
-            base = int(page_at[first])
-            total = int(page_at[last] + sizes[last]) - base
+            first, end = cuts[k], cuts[k + 1]
+            total = int(page_at[end - 1] + sizes[end - 1] - page_at[first])
             slot = self._slot("save", k % 2, total)
-            spans, lengths, at, word = next(routes)
             with self._on("save", wait=False):
-                self.copier.move(spans, lengths, slot.device, at - base, slot.table, gather=True, word=word)
+                self._move(placed, first, end, slot, gather=True)
                 if self.gpu:
                     slot.host[:total].copy_(slot.device[:total], non_blocking=True)
                     slot.done.record()
@@ -366,8 +300,10 @@ class DeviceTransfer:
             yield items[first:end], slot, (page_at[first:end] - page_at[first]).tolist()
 
     def pack(self, items: Sequence[Page], after=None) -> Iterator[tuple[Sequence[Page], list[np.ndarray]]]:
-        """Yield (batch, a pinned host view of each page) batch by batch; valid until the next batch."""
-        for batch, slot, offsets in self._staged(items, after):
+        """Yield (batch, a pinned host view of each page) batch by batch, each group's pages together (the
+        batch names them); valid until the next batch."""
+        items, columns, _ = self._grouped(items)
+        for batch, slot, offsets in self._staged(items, self._place(items, columns), after):
             yield batch, [slot.host_bytes[o : o + item.group.used_bytes_per_block] for item, o in zip(batch, offsets)]
 
     # -- host -> device ------------------------------------------------------------------------------
@@ -377,19 +313,20 @@ class DeviceTransfer:
         """`fill(host staging, page offsets)` writes the batch's pages into pinned staging and says which
         arrived; those are copied to the device and scattered into their blocks. Compute queued after
         this call waits for them; the host does not."""
-        sizes = self._sizes(batch)
-        total = int(sizes.sum())
+        if not batch:
+            return []
+        placed = self._place(batch)
+        total = int(placed.page_at[-1] + placed.sizes[-1])
         slot = self._slot("load", index, total)
-        offsets = np.cumsum(sizes) - sizes  # back to back in batch order
-        ok = fill(slot.host_bytes, offsets.tolist())
-        spans, lengths, at = self._spans(batch, offsets, ok)
-        if not len(spans):
+        ok = fill(slot.host_bytes, placed.page_at.tolist())
+        arrived = np.asarray(ok, dtype=bool)
+        if not arrived.any():
             return ok
         self._wait("load", after)
         with self._on("load", wait=False):
             if self.gpu:
                 slot.device[:total].copy_(slot.host[:total], non_blocking=True)
-            self.copier.move(spans, lengths, slot.device, at, slot.table, gather=False)
+            self._move(placed, 0, len(batch), slot, gather=False, keep=arrived)
             if self.gpu:
                 slot.done.record()
         if self.gpu:
@@ -418,11 +355,12 @@ class DeviceTransfer:
         """Gather and store the pages batch by batch; True per page stored. Into an arena (`in_place`
         store) each page is copied by DMA from device staging straight into its slot; other stores
         take pinned host staging."""
-        written: list[bool] = []
         if not (store.in_place and self.gpu):
-            for batch, views in self.pack(pages, after):
+            items, _, order = self._grouped(pages)
+            written: list[bool] = []
+            for batch, views in self.pack(items, after):
                 written += store.put_many([(item.key, view) for item, view in zip(batch, views)])
-            return written
+            return self._ungrouped(written, order)
         return self._save_in_place(store, pages, after)
 
     def _save_in_place(self, store: Store, pages: Sequence[Page], after) -> list[bool]:
@@ -430,14 +368,12 @@ class DeviceTransfer:
         slots (one copy per run of adjacent slots). Up to `STAGING_SLOTS` batches are in flight: a batch
         is published once its copies are done, while the next ones' copies run, so the link stays busy
         while the host reserves, publishes or waits for the GIL (a load on another thread). Kernels and
-        copies have their own streams, so a gather overlaps the previous batch's DMA; the spans of every
-        batch but the first are planned while the first batch moves (`_routes`)."""
+        copies have their own streams, so a gather overlaps the previous batch's DMA."""
         if not pages:
             return []
         pages, columns, order = self._grouped(pages)
         placed = self._place(pages, columns)
-        _, _, sizes, page_at, cuts = placed
-        routes = self._routes(pages, placed)
+        sizes, page_at, cuts = placed.sizes, placed.page_at, placed.cuts
         self._wait("save_kernel", after)
         kernels, copies = self.streams["save_kernel"], self.streams["save"]
         size_list = sizes.tolist()
@@ -448,22 +384,14 @@ class DeviceTransfer:
             for k, (first, end) in enumerate(zip(cuts, cuts[1:])):
                 base = int(page_at[first])
                 slot = self._slot("save", k % STAGING_SLOTS, int(page_at[end - 1] + sizes[end - 1]) - base)
-                spans, lengths, at, word = next(routes)  # the second batch's: the rest's, while the first's DMA runs
                 with torch.cuda.stream(kernels):  # the gather runs while the host reserves the slots
-                    self.copier.move(spans, lengths, slot.device, at - base, slot.table, gather=True, word=word)
+                    self._move(placed, first, end, slot, gather=True)
                     slot.filled.record()
                 with torch.cuda.stream(copies):
                     copies.wait_event(slot.filled)
                     for a, b in self._parts(page_at, first, end, k):
                         reserved.append(store.reserve(list(zip(map(_KEY, pages[a:b]), size_list[a:b]))))
-                        room, addresses = reserved[-1].room, reserved[-1].addresses
-                        if addresses is None:
-                            addresses = np.asarray(
-                                [0 if out is None else host_address(out) for out in reserved[-1].destinations],
-                                np.int64,
-                            )
-                        for address, offset, n in runs(addresses, sizes[a:b], page_at[a:b] - base, room):
-                            host_tensor(address, n).copy_(slot.device[offset : offset + n], non_blocking=True)
+                        self._copy_out(reserved[-1], sizes[a:b], page_at[a:b] - base, slot)
                     slot.done.record()
                 in_flight.append((reserved, slot.done))
                 reserved = []
@@ -492,6 +420,16 @@ class DeviceTransfer:
         return ((first, mid), (mid, end)) if mid < end else ((first, end),)
 
     @staticmethod
+    def _copy_out(reserved: Reservation, sizes: np.ndarray, at: np.ndarray, slot: _Slot) -> None:
+        """Queue the DMAs of staged pages (at offsets `at` of `slot`'s device staging) into their reserved
+        slots, on the current stream, one per run of adjacent slots; a page with no slot is not moved."""
+        addresses = reserved.addresses
+        if addresses is None:  # a store that gives views only
+            addresses = np.asarray([0 if out is None else host_address(out) for out in reserved.destinations], np.int64)
+        for address, offset, n in runs(addresses, sizes, at, reserved.room):
+            host_tensor(address, n).copy_(slot.device[offset : offset + n], non_blocking=True)
+
+    @staticmethod
     def _publish(store: Store, reservations: list[Reservation], event) -> list[bool]:
         event.synchronize()  # published only once the bytes are in the slots
         return [ok for reservation in reservations for ok in store.publish(reservation, reservation.filled_all())]
@@ -504,6 +442,7 @@ class DeviceTransfer:
         after this call waits for them and the host does not."""
         if store.in_place and self.gpu:
             return self._load_in_place(store, pages, after)
+        pages, _, order = self._grouped(pages)
         ok: list[bool] = []
         for i, batch in enumerate(self.batches(pages)):
 
@@ -524,24 +463,23 @@ class DeviceTransfer:
             for index in (0, 1):
                 if ("load", index) in self._slots:
                     self._slots[("load", index)].wait()
-        return ok
+        return self._ungrouped(ok, order)
 
     def _load_in_place(self, store: Store, pages: Sequence[Page], after) -> list[bool]:
         """Per staging batch: hold its pages in their arena slots (one batch lease, by address), copy them
         by DMA (one copy per run of adjacent slots) into device staging, scatter. Up to `STAGING_SLOTS`
         batches are in flight: a batch is given back once its copies are done, while the next ones'
-        run. Copies and kernels have their own streams; a batch's spans are planned once its copies are
-        queued (`_routes`: a restore's first DMA waits for no span arithmetic). Only the
-        scatters wait for `after` (or the compute queued so far): the copies write staging alone, so they
-        run while the compute they must not overtake still does."""
+        run. Copies and kernels have their own streams; a batch's scatter is queued once its copies are
+        (a restore's first DMA waits for no kernel launch). Only the scatters wait for `after` (or the
+        compute queued so far): the copies write staging alone, so they run while the compute they must
+        not overtake still does."""
         if not pages:
             return []
         self._wait("load_kernel", after)
         kernels, copies = self.streams["load_kernel"], self.streams["load"]
         pages, columns, order = self._grouped(pages)
         placed = self._place(pages, columns)
-        _, _, sizes, page_at, cuts = placed
-        routes = self._routes(pages, placed)
+        sizes, page_at, cuts = placed.sizes, placed.page_at, placed.cuts
         arrived = np.zeros(len(pages), dtype=bool)
         in_flight: deque[tuple[list[HeldBatch], torch.cuda.Event]] = deque()  # oldest first
         held: list[HeldBatch] = []  # the leases of the batch being queued
@@ -554,14 +492,9 @@ class DeviceTransfer:
                         held.append(store.acquire_batch(list(map(_KEY, pages[a:b]))))
                         self._copy_in(held[-1], sizes[a:b], page_at[a:b] - base, arrived[a:b], slot)
                     slot.filled.record()
-                spans, lengths, at, word = next(routes)  # planned once the batch's copies are queued (they need none)
-                ok = arrived[first:end]
-                if not ok.all():  # the spans of the pages that arrived
-                    keep = ok[np.searchsorted(page_at, at, side="right") - 1 - first]
-                    spans, lengths, at = spans[keep], lengths[keep], at[keep]
                 with torch.cuda.stream(kernels):
                     kernels.wait_event(slot.filled)
-                    self.copier.move(spans, lengths, slot.device, at - base, slot.table, gather=False, word=word)
+                    self._move(placed, first, end, slot, gather=False, keep=arrived[first:end])
                     slot.done.record()
                 in_flight.append((held, slot.filled))
                 held = []

@@ -9,7 +9,7 @@ import torch
 from kvoffload import open_store
 from kvoffload.connectors.device_transfer import STAGING_SLOTS, DeviceTransfer
 from kvoffload.connectors.plan import Page
-from kvoffload.connectors.span_copy import SpanCopier, word_size
+from kvoffload.connectors.span_copy import PageCopier, word_size
 from kvoffload.connectors.transfer import HostTransfer, Transfer, make_transfer
 from kvoffload.spec import CacheGroup, GroupKind, Region
 
@@ -118,7 +118,7 @@ def test_word_size_is_the_widest_dividing_type():
 def test_make_transfer_picks_by_device():
     assert isinstance(make_transfer(torch.zeros(64, dtype=torch.uint8)), HostTransfer)
     with pytest.raises(ValueError, match="needs triton and a GPU"):
-        SpanCopier(torch.zeros(64, dtype=torch.uint8), use_triton=True)
+        PageCopier(torch.zeros(64, dtype=torch.uint8), use_triton=True)
     if GPU:
         assert isinstance(make_transfer(torch.zeros(64, dtype=torch.uint8, device="cuda")), DeviceTransfer)
 
@@ -217,15 +217,31 @@ def test_background_save_after_a_fence_reads_what_compute_wrote():
     assert bytes(store.get(b"k")) == b"\x05" * paged.used_bytes_per_block
 
 
-def test_warm_up_finds_the_narrowest_word_a_batch_can_need():
-    """Kernels are made for every word size from the layout's gcd up: the 4-byte aligned state group
-    brings it down from 8 (a missed size would compile on the first request)."""
+def test_each_group_moves_in_the_widest_word_its_spans_allow():
+    """A group's page template moves in the widest word dividing its spans (the 4-byte aligned state
+    group in 4-byte words, the other in 8): the warm start makes the kernel of each group's word."""
     paged, state = _groups()
     transfer = DeviceTransfer(torch.zeros(32 * STRIDE, dtype=torch.uint8))
-    assert transfer._word_floor([paged]) == 8
-    assert transfer._word_floor([paged, state]) == 4
+    assert transfer.copier.template(paged).word == 8
+    assert transfer.copier.template(state).word == 4
+    assert transfer.copier.template(paged).last_block == 31  # the buffer's 32 blocks
     assert transfer.warm_up([paged, state]) >= 0 and transfer.warm_up_s is not None
     assert transfer._slots == {}  # the CPU path has no staging to make
+
+
+@pytest.mark.parametrize("device,use_triton", PATHS)
+def test_a_page_outside_either_buffer_is_refused_before_anything_moves(device, use_triton):
+    paged, _ = _groups()
+    source = torch.zeros(4 * STRIDE, dtype=torch.uint8, device=device)
+    copier = PageCopier(source, use_triton)
+    staging = torch.zeros(4 * 8192, dtype=torch.uint8, device=device)
+    with pytest.raises(ValueError, match="outside the cache buffer"):
+        copier.move(paged, np.array([0, 4]), np.array([0, 8192]), staging, gather=True)
+    with pytest.raises(ValueError, match="outside the staging buffer"):
+        copier.move(paged, np.array([0, 1]), np.array([0, 3 * 8192 + 4096]), staging, gather=True)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        copier.move(paged, np.array([0]), np.array([4]), staging, gather=True)
+    assert not staging.any()
 
 
 @pytest.mark.skipif(not GPU, reason="staging and kernels exist on a GPU only")
@@ -254,34 +270,49 @@ def test_after_warm_up_the_first_save_and_load_make_nothing(use_triton):
             for where, slot in transfer._slots.items()} == made
 
 
-@pytest.mark.skipif(not TRITON, reason="the tile table is the Triton kernel's")
+@pytest.mark.skipif(not TRITON, reason="the page table is the Triton kernel's")
 @pytest.mark.parametrize("table_kind", ["mapped", "uploaded", "unreadable"])
-def test_tile_tables_read_in_host_memory_uploaded_or_falling_back_move_the_same_bytes(table_kind):
-    """The kernel reads a slot's tile table in page-locked host memory; a table the device cannot read
+def test_page_tables_read_in_host_memory_uploaded_or_falling_back_move_the_same_bytes(table_kind):
+    """The kernel reads a slot's page table in page-locked host memory; a table the device cannot read
     (here: pageable memory, which Triton refuses at launch) falls back to an upload, and so does a
-    table made for one move. Every way moves the spans byte for byte."""
-    from kvoffload.connectors.span_copy import TileTable
+    table made for one move. Every way moves the pages byte for byte, long spans cut in many tiles, and
+    rows from an offset in the table."""
+    from kvoffload.connectors.span_copy import TILE_WORDS, PageTable
 
-    source = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
-    staging = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
-    copier = SpanCopier(source, use_triton=True)
-    offsets, lengths = np.array([8, 300_000, 600_008]), np.array([4000, 280_000, 8])  # the middle one: many tiles
-    at = np.array([0, 4000, 284_000])
-    table = TileTable(source.device, mapped=table_kind != "uploaded")
+    long = CacheGroup(
+        2,
+        "long",
+        GroupKind.PAGED,
+        16,
+        (
+            Region(0, 8, 1_200_000, 2_400_000, ("a", "b"), 1_000_000, 1_200_000, "uint8"),  # 4 tiles each
+            Region(0, 2_300_000, 8, 2_400_000, ("c",), 8, 8, "uint8"),
+        ),
+    )
+    assert 3 * TILE_WORDS * 8 < 1_000_000 < 4 * TILE_WORDS * 8
+    source = torch.randint(0, 256, (6 * 2_400_000,), dtype=torch.uint8, device="cuda")
+    host = HostTransfer(source.cpu())
+    staging = torch.zeros(8 << 20, dtype=torch.uint8, device="cuda")
+    copier = PageCopier(source, use_triton=True)
+    assert copier.template(long).word == 8 and len(copier.template(long).tiles) == 9
+    blocks, at = np.array([5, 1, 2]), np.array([0, 2 << 20, 4 << 20])
+    table = PageTable(source.device, mapped=table_kind != "uploaded")
     if table_kind == "unreadable":
         table.reserve(64)
-        table.host = torch.empty((table.rows, 3), dtype=torch.int64)  # pageable: not mapped into the device
-    copier.move(offsets, lengths, staging, at, table, gather=True)
+        table.host = torch.empty((table.rows, 2), dtype=torch.int64)  # pageable: not mapped into the device
+    copier.move(long, blocks, at, staging, table, 5, gather=True)
     torch.cuda.synchronize()
     assert table.mapped == (table_kind == "mapped")
-    for o, n, a in zip(offsets, lengths, at):
-        assert torch.equal(staging[a : a + n], source[o : o + n])
+    n = long.used_bytes_per_block
+    for b, a in zip(blocks, at):
+        assert np.array_equal(staging[a : a + n].cpu().numpy(), host.gather(long, b))
     back = torch.zeros_like(source)
-    SpanCopier(back, use_triton=True).move(offsets, lengths, staging, at, None, gather=False)  # a table of its own
+    PageCopier(back, use_triton=True).move(long, blocks, at, staging, None, gather=False)  # a table of its own
     torch.cuda.synchronize()
-    for o, n in zip(offsets, lengths):
-        assert torch.equal(back[o : o + n], source[o : o + n])
-    assert int(back.count_nonzero()) <= int(lengths.sum())  # nothing outside the spans was written
+    after = HostTransfer(back.cpu())
+    for b in blocks:
+        assert np.array_equal(after.gather(long, b), host.gather(long, b))
+    assert int(back.count_nonzero()) <= 3 * n  # nothing outside the pages was written
 
 
 @pytest.mark.skipif(not GPU, reason="the in-place arena paths run on a GPU only")

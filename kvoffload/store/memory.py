@@ -106,7 +106,7 @@ class MemoryStore(Store):
         self._holds: dict[int, int] = {}  # slot -> holders (readers, leases)
         self._orphans: set[int] = set()  # held slots whose key left the index: freed at the last release
         self._leases: dict[int, int] = {}  # lease id -> slot
-        self._batches: dict[int, list[int]] = {}  # batch lease id -> its slots (`acquire_batch`)
+        self._batches: dict[int, tuple[list[int], bool]] = {}  # batch lease id -> its slots, all distinct?
         self._used = self._pending = 0  # value bytes, slots being filled
         self._bulk = True  # the bulk paths (a test turns them off to hold them to the per-value path)
         self._closed = False
@@ -197,11 +197,12 @@ class MemoryStore(Store):
         """May `key` be evicted: nobody holds its slot."""
         return self._index[key][0] not in self._holds
 
-    def _release_holds(self, slots: Iterable[int]) -> None:
+    def _release_holds(self, slots: Iterable[int], distinct: bool = False) -> None:
         """One hold less on each slot (a slot named twice loses two); a slot nobody holds any more is
-        freed if its key left the index. A batch of slots held once each is let go in bulk."""
+        freed if its key left the index. A batch of slots held once each is let go in bulk (`distinct`:
+        the caller knows no slot is named twice)."""
         slots, holds = list(slots), self._holds
-        if len(set(slots)) == len(slots):
+        if distinct or len(set(slots)) == len(slots):
             counts = list(map(holds.pop, slots, itertools.repeat(0, len(slots))))
             if counts.count(1) == len(slots) and (not self._orphans or self._orphans.isdisjoint(slots)):
                 return
@@ -380,8 +381,10 @@ class MemoryStore(Store):
                 found = cast(list[tuple[int, int]], entries)
             slots, sizes = (list(column) for column in zip(*found)) if found else ([], [])
             held = [slot for slot in slots if slot >= 0] if missed else slots
-            if self._bulk and len(held) == len(set(held)) and holds.keys().isdisjoint(held):  # unheld, once each
-                holds.update(dict.fromkeys(held, 1))
+            once = dict.fromkeys(held, 1)
+            distinct = len(once) == len(held)
+            if self._bulk and distinct and holds.keys().isdisjoint(once):  # unheld, once each
+                holds.update(once)
             else:
                 for slot in held:
                     holds[slot] = holds.get(slot, 0) + 1
@@ -389,7 +392,7 @@ class MemoryStore(Store):
                 hits = [key for key, entry in zip(keys, entries) if entry is not None] if missed else keys
                 self._policy.touch_many(hits)
             handle = next(_lease_ids)
-            self._batches[handle] = held
+            self._batches[handle] = (held, distinct)
             addresses, room = self._arena.locate(slots)
         if touch:
             self._count(hits=len(held), misses=len(keys) - len(held), get_bytes=sum(sizes))
@@ -397,10 +400,10 @@ class MemoryStore(Store):
 
     def release_batch(self, held: HeldBatch) -> None:
         with self._lock:
-            slots = self._batches.pop(cast(int, held.handle), None)
-            if slots is not None:
-                self._release_holds(slots)
-        if slots is None and not self._closed:
+            batch = self._batches.pop(cast(int, held.handle), None)
+            if batch is not None:
+                self._release_holds(*batch)
+        if batch is None and not self._closed:
             raise ValueError(f"a batch released twice or not acquired from {self.url}")
 
     def release(self, leases: Iterable[Lease | None]) -> None:

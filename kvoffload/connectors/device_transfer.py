@@ -132,12 +132,12 @@ class DeviceTransfer:
             for direction in ("save", "load"):
                 for index in range(STAGING_SLOTS):
                     slot = self._slot(direction, index, size)
-                    _gpu_only(slot.table).reserve(rows)
+                    _gpu_only(slot.table).reserve(max(rows, len(groups)))
             slot = self._slots[("save", 0)]
             zero = np.zeros(1, dtype=np.int64)
             with self._on("save"):
-                for group in groups:  # reads block 0's page: compiles (or loads) the kernel for its word
-                    self.copier.move(group, zero, zero, slot.device, slot.table, gather=True)
+                for row, group in enumerate(groups):  # block 0's page, read: compiles (or loads) its word's kernel
+                    self.copier.move(group, zero, zero, slot.device, slot.table, row, gather=True)
                 # The arena paths wrap host memory by address: the first wrap pays for numpy's set-up.
                 slot.device[:1].copy_(host_tensor(slot.host.data_ptr(), 1), non_blocking=True)
             # The host's planning of a batch (a page of each group): numpy's first calls cost ~0.1 ms each.

@@ -24,13 +24,15 @@ def runs(
     0 (a miss, no room) is skipped. Vectorised: a batch of small pages costs no Python per page here."""
     at, n, o = np.asarray(addresses, dtype=np.int64), sizes, offsets
     fits = n if room is None else np.asarray(room, dtype=np.int64)
-    keep = (at != 0) & (n > 0)
-    if not keep.all():
+    if not (at.all() and n.all()):  # sizes are never negative
+        keep = (at != 0) & (n > 0)
         at, n, o, fits = at[keep], n[keep], o[keep], fits[keep]
     if not len(at):
         return []
     step = at[1:] - at[:-1]
     joined = (step == o[1:] - o[:-1]) & (step >= n[:-1]) & (step <= fits[:-1])
+    if joined.all():  # one run: a batch in freshly freed slots, mostly
+        return [(int(at[0]), int(o[0]), int(o[-1] + n[-1] - o[0]))]
     starts = np.flatnonzero(np.concatenate(([True], ~joined)))
     ends = np.append(starts[1:], len(at)) - 1  # each run's last page
     return list(zip(at[starts].tolist(), o[starts].tolist(), (o[ends] + n[ends] - o[starts]).tolist()))

@@ -169,6 +169,10 @@ def test_adjacent_arena_slots_move_in_one_copy():
     assert _runs(addresses, sizes, offsets) == [(base, 0, 10), (base + 16, 16, 10), (base + 32, 32, 10), (base + 48, 40, 10)]
     assert _runs(addresses, sizes, offsets, room) == [(base, 0, 42), (base + 48, 40, 10)]
     assert _runs(addresses, sizes, offsets, np.array([12, 16, 16, 16])) == [(base, 0, 10), (base + 16, 16, 26), (base + 48, 40, 10)]
+    # every page joined (one run, the last page's own size ends it), and a lone page
+    assert _runs(addresses[:3], sizes[:3], offsets[:3], room[:3]) == [(base, 0, 42)]
+    assert _runs(addresses[:1], sizes[:1], offsets[:1]) == [(base, 0, 10)]
+    assert _runs(np.array([base, base + 8]), np.array([8, 0]), np.array([0, 8])) == [(base, 0, 8)]  # size 0: skipped
 
 
 def test_the_arena_says_its_slots_addresses():

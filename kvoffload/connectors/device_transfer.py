@@ -220,6 +220,8 @@ class DeviceTransfer:
         group; an ungrouped batch of `unpack` may have more)."""
         if not len(which):
             return []
+        if len(groups) == 1:  # a batch of small pages: no search for group changes
+            return [(groups[0], 0, len(which))]
         cuts = [0, *(np.flatnonzero(np.diff(which)) + 1).tolist(), len(which)]
         return [(groups[int(which[a])], a, b) for a, b in zip(cuts, cuts[1:])]
 

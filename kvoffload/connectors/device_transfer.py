@@ -439,14 +439,18 @@ class DeviceTransfer:
     def load(self, store: Store, pages: Sequence[Page], after=None) -> list[bool]:
         """Restore the pages batch by batch; a page missing, failing its checksum or of another size is a
         miss and is not scattered. From an arena the pages are copied by DMA straight from their slots;
-        from other stores they are read into pinned staging first. With `after` (a background load) the
-        writes into the cache start after it and this returns once they are done; without, compute queued
-        after this call waits for them and the host does not."""
+        from other stores they are read into pinned staging first. A load of several batches is advised to
+        the store first (`Store.advise`: a disk tier reads ahead across the batches). With `after` (a
+        background load) the writes into the cache start after it and this returns once they are done;
+        without, compute queued after this call waits for them and the host does not."""
         if store.in_place and self.gpu:
             return self._load_in_place(store, pages, after)
         pages, _, order = self._grouped(pages)
         ok: list[bool] = []
-        for i, batch in enumerate(self.batches(pages)):
+        batches = self.batches(pages)
+        if len(batches) > 1:  # a disk tier reads the later batches while the first ones move
+            store.advise([page.key for page in pages])
+        for i, batch in enumerate(batches):
 
             def fill(host: np.ndarray, offsets: list[int], batch=batch) -> list[bool]:
                 arrived = [False] * len(batch)
@@ -482,6 +486,9 @@ class DeviceTransfer:
         pages, columns, order = self._grouped(pages)
         placed = self._place(pages, columns)
         sizes, page_at, cuts = placed.sizes, placed.page_at, placed.cuts
+        keys = list(map(_KEY, pages))
+        if len(cuts) > 2:  # a tier behind the arena reads the later batches while the first ones move
+            store.advise(keys)
         arrived = np.zeros(len(pages), dtype=bool)
         in_flight: deque[tuple[list[HeldBatch], torch.cuda.Event]] = deque()  # oldest first
         held: list[HeldBatch] = []  # the leases of the batch being queued
@@ -491,7 +498,7 @@ class DeviceTransfer:
                 slot = self._slot("load", k % STAGING_SLOTS, int(page_at[end - 1] + sizes[end - 1]) - base)
                 with torch.cuda.stream(copies):
                     for a, b in self._parts(page_at, first, end, k):
-                        held.append(store.acquire_batch(list(map(_KEY, pages[a:b]))))
+                        held.append(store.acquire_batch(keys[a:b]))
                         self._copy_in(held[-1], sizes[a:b], page_at[a:b] - base, arrived[a:b], slot)
                     slot.filled.record()
                 with torch.cuda.stream(kernels):

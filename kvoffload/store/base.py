@@ -158,6 +158,12 @@ class Store(ABC):
         single-tier store has nowhere to move them (0)."""
         return 0
 
+    def advise(self, keys: Sequence[bytes]) -> None:  # noqa: B027 - a hint: tiers without a disk ignore it
+        """A hint that `keys` will be read soon, in this order (a load of many batches): a disk tier starts
+        reading their bytes into the page cache now, in the background, so the load's later batches find
+        them there instead of letting the disk idle between batches. Never waits for I/O, never changes
+        what is stored; a tier without a disk ignores it (here)."""
+
     # -- eviction reports (a connector tells a router which entries went) ---------------------------------
     _on_evict: Callable[[list[bytes]], None] | None = None
 

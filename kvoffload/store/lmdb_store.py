@@ -366,6 +366,11 @@ class LMDBStore(Store):
             self._drop_bad(bad)
         return served
 
+    def advise(self, keys: Sequence[bytes]) -> None:
+        """Read `keys`' values into the page cache in the background, in order (`Readers.ahead`)."""
+        if keys:
+            self._readers.ahead(self._live_env, self._data, keys)
+
     def _drop_bad(self, bad: dict[bytes, str]) -> None:
         """Entries that failed verification are deleted (another layout's entries are left alone)."""
         for problem in bad.values():

@@ -330,6 +330,13 @@ class TieredStore(Store):
         self._count(prefetched=len(promoted), prefetched_bytes=sum(promoted))
         return len(promoted)
 
+    def advise(self, keys: Sequence[bytes]) -> None:
+        """The back reads ahead those of `keys` that memory lacks."""
+        keys = list(keys)
+        missing = [key for key, there in zip(keys, self.front.contains_many(keys)) if not there]
+        if missing:
+            self.back.advise(missing)
+
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         def from_writer(i: int, view: np.ndarray) -> None:
             present[i] = True

@@ -63,6 +63,37 @@ def test_pages_round_trip_byte_exact_across_staging_batches(device, use_triton, 
     assert not copied[:11 * STRIDE].any()  # blocks below the targets untouched
 
 
+@pytest.mark.parametrize("device,use_triton", PATHS)
+def test_a_load_of_several_batches_advises_the_store_of_its_pages_first(device, use_triton):
+    """A disk tier reads the later batches while the first ones move: the whole load's keys are advised
+    once, in the order they are read, before the first read; a load of one batch is not advised."""
+    paged, state = _groups()
+    source = torch.randint(0, 256, (32 * STRIDE,), dtype=torch.uint8)
+    items = [Page(f"k{g.name}{b}".encode(), g, b, b) for b in range(3, 12) for g in (paged, state)]
+    store = open_store("memory://?capacity=4MiB&pinned=auto")
+    assert all(_transfer(source.to(device), use_triton).save(store, items))
+    calls: list[tuple[str, list[bytes]]] = []
+    store.advise = lambda keys: calls.append(("advise", list(keys)))  # type: ignore[method-assign]
+    for name in ("acquire_batch", "read_many"):
+
+        def spy(keys, *args, real=getattr(store, name), name=name, **kwargs):
+            calls.append((name, list(keys)))
+            return real(keys, *args, **kwargs)
+
+        setattr(store, name, spy)
+    target = torch.zeros(32 * STRIDE, dtype=torch.uint8, device=device)
+    loader = _transfer(target, use_triton, staging_bytes=3 * paged.used_bytes_per_block)
+    assert all(loader.load(store, items))
+    assert calls[0][0] == "advise" and [c for c, _ in calls].count("advise") == 1
+    read = [key for name, keys in calls[1:] for key in keys]
+    assert calls[0][1] == read and sorted(read) == sorted(p.key for p in items)  # the read order, every page
+    host = HostTransfer(source)
+    assert all(np.array_equal(loader.gather(p.group, p.block), host.gather(p.group, p.block)) for p in items)
+    calls.clear()
+    assert all(_transfer(target, use_triton).load(store, items[:2]))  # one batch
+    assert "advise" not in [c for c, _ in calls]
+
+
 def test_batches_fit_the_staging_bytes_and_take_at_most_batch_pages(monkeypatch):
     """Greedy batches: as many pages as fit a slot (a larger page alone), and at most BATCH_PAGES so
     that small pages' host work overlaps the neighbouring batch's DMA; every page in exactly one."""

@@ -123,3 +123,88 @@ def test_every_value_read_is_advised_to_the_kernel_before_it_is_verified(tmp_pat
     assert len(advised) == 2 * len(values) and verified_after[0] == len(values)  # all advised, then verified
     for address in addresses:  # every value of the second read lies whole inside a range advised for it
         assert any(a <= address and address + SIZE <= b for a, b in advised[len(values):])
+
+
+def _advice(monkeypatch) -> list[tuple[int, int]]:
+    """The ranges madvised from now on (recorded, then advised for real)."""
+    if lmdb_reads._MADVISE is None:
+        pytest.skip("no madvise on this platform")
+    advised: list[tuple[int, int]] = []
+    real = lmdb_reads._MADVISE
+
+    def madvise(start, length, advice):
+        assert advice == lmdb_reads.mmap.MADV_WILLNEED and start % lmdb_reads.PAGE == 0
+        advised.append((start, start + length))
+        return real(start, length, advice)
+
+    monkeypatch.setattr(lmdb_reads, "_MADVISE", madvise)
+    return advised
+
+
+def _addresses(store, keys) -> list[int]:
+    found: dict[int, int] = {}
+    store.read_many(keys, lambda i, view: found.__setitem__(i, np.frombuffer(view, np.uint8).ctypes.data))
+    return [found[i] for i in range(len(keys))]
+
+
+def test_advice_reads_ahead_every_value_in_order_on_a_thread_of_its_own(tmp_path, monkeypatch):
+    """`advise` asks the kernel for each present value's pages, in the keys' order, off the caller's thread
+    (a load's later batches then find their pages read); an absent key is skipped; nothing changes."""
+    values = _values(8)
+    with LMDBStore(str(tmp_path / "db"), 64 << 20, readers=1) as store:
+        assert all(store.put_many(list(values.items())))
+        keys = list(values)[::-1]
+        advised = _advice(monkeypatch)
+        callers: set[str] = set()
+        real_advise = lmdb_reads._advise
+
+        def advise(*args):
+            callers.add(threading.current_thread().name)
+            real_advise(*args)
+
+        monkeypatch.setattr(lmdb_reads, "_advise", advise)
+        store.advise([b"absent", *keys])
+        store._readers._advisor[1].submit(lambda: None).result()  # the advice is done
+        assert callers == {"kvoffload-lmdb-ahead_0"}
+        assert len(advised) == len(keys)
+        for (start, end), address in zip(advised, _addresses(store, keys)):  # in order, each value whole
+            assert start <= address and address + SIZE <= end
+        served, got, _ = _read(store, list(values))
+        assert all(served) and [got[i] for i in range(len(values))] == list(values.values())
+        assert store.stats()["misses"] == 0  # advice reads nothing: no hit or miss counted
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvoffload-lmdb-ahead")]
+
+
+def test_close_ends_advice_still_queued_and_later_advice_is_ignored(tmp_path, monkeypatch):
+    values = _values(8)
+    store = LMDBStore(str(tmp_path / "db"), 64 << 20, readers=1)
+    assert all(store.put_many(list(values.items())))
+    advised = _advice(monkeypatch)
+    gate = threading.Event()
+    store._readers.ahead(store._live_env, store._data, [])  # the advising thread exists
+    store._readers._advisor[1].submit(gate.wait)  # holds the thread while more advice queues
+    store.advise(list(values))
+    closer = threading.Thread(target=store.close)
+    closer.start()
+    while not store._readers._stopping.is_set():
+        pass
+    gate.set()
+    closer.join(timeout=30)
+    assert not closer.is_alive() and advised == []  # the queued advice saw the store closing: nothing advised
+
+
+def test_a_tiered_store_advises_its_back_of_what_memory_lacks(tmp_path):
+    values = _values(6)
+    back = LMDBStore(str(tmp_path / "db"), 64 << 20, readers=1)
+    asked: list[list[bytes]] = []
+    back.advise = asked.append  # type: ignore[method-assign]
+    with TieredStore(MemoryStore(64 << 20, pinned=False), back) as store:
+        assert all(store.put_many(list(values.items())))
+        assert store.flush(timeout=30)
+        keys = list(values)
+        store.front.delete(keys[1])
+        store.front.delete(keys[4])
+        store.advise(keys)
+        assert asked == [[keys[1], keys[4]]]
+        store.advise(keys[:1])  # all in memory: the back is not asked
+        assert len(asked) == 1

@@ -121,7 +121,7 @@ def test_datapath_benchmark_json(tmp_path):
         assert set(row["ratios"]) == {"save_vs_memcpy", "load_vs_memcpy", "both_vs_memcpy"}
     tiered = result["results"]["all_groups"]["tiered_lmdb"]
     assert tiered["behind_written"] > 0 and tiered["behind_dropped"] == 0
-    assert tiered["drain_GBps"] > 0 and tiered["lmdb_only_load_GBps"] > 0
+    assert tiered["drain_GBps"] > 0 and tiered["lmdb_only_load_GBps"] > 0 and tiered["lmdb_store_load_GBps"] > 0
 
 
 @pytest.mark.slow

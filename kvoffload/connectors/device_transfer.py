@@ -20,7 +20,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
-from operator import attrgetter
 from typing import NamedTuple, TypeVar
 
 import numpy as np
@@ -29,13 +28,12 @@ import torch
 from ..spec import CacheGroup
 from ..store import Store
 from ..store.arena import PAGE as SLOT_ALIGN
-from ..store.base import HeldBatch, Reservation, host_address
+from ..store.base import HeldBatch, ItemColumns, Reservation, host_address
 from .host_runs import host_tensor, runs
 from .plan import Page
 from .span_copy import PageCopier, PageTable
 
 _T = TypeVar("_T")
-_KEY, _GROUP, _BLOCK = attrgetter("key"), attrgetter("group"), attrgetter("block")
 
 DEFAULT_STAGING_BYTES = 128 << 20  # per slot, made by `warm_up`
 # Staging slots per direction: batches in flight into and out of the arena (the host waits for the oldest
@@ -85,14 +83,25 @@ def _gpu_only(part: _T | None) -> _T:
     return part
 
 
-class _Placed(NamedTuple):
-    """A call's pages as columns (`DeviceTransfer._place`): their distinct groups, each page's group (an
-    index into those), size, block and offset in the staging order, and where each batch starts (and,
-    last, the end)."""
+class _Columns(NamedTuple):
+    """A call's pages as columns (`DeviceTransfer._columns`): their distinct groups, each page's group (an
+    index into those), size, key and block."""
 
     groups: list[CacheGroup]
     which: np.ndarray
     sizes: np.ndarray
+    keys: Sequence[bytes]
+    blocks: np.ndarray
+
+
+class _Placed(NamedTuple):
+    """The columns (`_Columns`), in the staging order, with each page's offset in that order and where
+    each batch starts (and, last, the end): `DeviceTransfer._place`."""
+
+    groups: list[CacheGroup]
+    which: np.ndarray
+    sizes: np.ndarray
+    keys: Sequence[bytes]
     blocks: np.ndarray
     page_at: np.ndarray
     cuts: list[int]
@@ -184,22 +193,26 @@ class DeviceTransfer:
         return torch.cuda.stream(stream)
 
     @staticmethod
-    def _columns(items: Sequence[Page]) -> tuple[list[CacheGroup], np.ndarray, np.ndarray]:
-        """One pass over the pages, in C: their distinct groups in order of first appearance, each page's
-        group (an index into those) and each page's size. Thousands of small pages cost no Python per page
-        here, and a restore's hundred pages no numpy sort."""
-        group_of = list(map(_GROUP, items))
-        ids = list(map(id, group_of))
-        if ids and ids.count(ids[0]) == len(ids):  # one group (a batch of small pages): no dict per page
-            groups = group_of[:1]
+    def _columns(items: Sequence[Page]) -> _Columns:
+        """One pass over the pages, in C (a transpose): their distinct groups in order of first appearance,
+        each page's group (an index into those), size, key and block. Thousands of small pages cost no
+        Python per page here, and a restore's hundred pages no numpy sort."""
+        if not items:
+            return _Columns([], np.zeros(0, np.int64), np.zeros(0, np.int64), (), np.zeros(0, np.int64))
+        keys, group_of, _, block_of = zip(*items)  # Page: (key, group, index, block)
+        blocks = np.fromiter(block_of, np.int64, len(items))
+        first = group_of[0]  # one group: counted by identity (a count meeting other groups compares them)
+        if group_of[-1] is first and group_of.count(first) == len(items):  # no dict per page
+            groups = [first]
             which = np.zeros(len(items), dtype=np.int64)
         else:
+            ids = list(map(id, group_of))
             distinct = dict(zip(ids, group_of))  # id -> group, in order of first appearance
             groups = list(distinct.values())
             number = dict(zip(distinct, range(len(groups))))
             which = np.fromiter(map(number.__getitem__, ids), dtype=np.int64, count=len(items))
         sizes = np.asarray([g.used_bytes_per_block for g in groups], dtype=np.int64)[which]
-        return groups, which, sizes
+        return _Columns(groups, which, sizes, keys, blocks)
 
     def _move(self, placed: _Placed, first: int, end: int, slot: _Slot, gather: bool, keep=None) -> None:
         """Queue the kernels moving pages [first, end) between the cache and `slot`'s device staging (page
@@ -243,16 +256,19 @@ class DeviceTransfer:
             else:
                 stream.wait_stream(torch.cuda.current_stream(self.device))
 
-    def _grouped(self, items: Sequence[Page]) -> tuple[Sequence[Page], tuple, np.ndarray | None]:
+    def _grouped(self, items: Sequence[Page]) -> tuple[Sequence[Page], _Columns, np.ndarray | None]:
         """The items with each group's pages next to each other (in their order otherwise), their columns
         (`_columns`) and the permutation made (None: none was needed). An arena hands out one size class's
         slots one after another, so a save or load of interleaved groups (every group's page of a block,
         block after block) then moves runs of adjacent slots in one copy each instead of a copy per page."""
-        columns = groups, which, sizes = self._columns(items)
-        if len(groups) == 1 or np.count_nonzero(np.diff(which)) < len(groups):  # grouped already
+        columns = self._columns(items)
+        groups, which = columns.groups, columns.which
+        if len(groups) <= 1 or np.count_nonzero(np.diff(which)) < len(groups):  # grouped already
             return items, columns, None
         order = np.argsort(which, kind="stable")
-        return [items[i] for i in order.tolist()], (groups, which[order], sizes[order]), order
+        keys = [columns.keys[i] for i in order.tolist()]
+        grouped = _Columns(groups, which[order], columns.sizes[order], keys, columns.blocks[order])
+        return [items[i] for i in order.tolist()], grouped, order
 
     @staticmethod
     def _ungrouped(done: Sequence[bool] | np.ndarray, order: np.ndarray | None) -> list[bool]:
@@ -263,14 +279,13 @@ class DeviceTransfer:
         back[order] = done
         return back.tolist()
 
-    def _place(self, items: Sequence[Page], columns: tuple | None = None) -> _Placed:
+    def _place(self, items: Sequence[Page], columns: _Columns | None = None) -> _Placed:
         """Where each page goes in staging, and the batch cuts (`_Placed`). Offsets are multiples of the
         arena's slot size, so pages in adjacent slots are adjacent in staging too: one DMA for both."""
-        groups, which, sizes = columns or self._columns(items)
+        groups, which, sizes, keys, blocks = columns or self._columns(items)
         spaced = -(-sizes // SLOT_ALIGN) * SLOT_ALIGN
         page_at = np.cumsum(spaced) - spaced
-        blocks = np.fromiter(map(_BLOCK, items), np.int64, len(items))
-        return _Placed(groups, which, sizes, blocks, page_at, self._cuts(spaced))
+        return _Placed(groups, which, sizes, keys, blocks, page_at, self._cuts(spaced))
 
     def _staged(self, items: Sequence[Page], placed: _Placed, after=None):
         """Yield (batch, slot, page offsets in the slot) batch by batch, the pages gathered into the slot's
@@ -378,8 +393,9 @@ class DeviceTransfer:
         sizes, page_at, cuts = placed.sizes, placed.page_at, placed.cuts
         self._wait("save_kernel", after)
         kernels, copies = self.streams["save_kernel"], self.streams["save"]
-        size_list = sizes.tolist()
+        keys, size_list = list(placed.keys), sizes.tolist()
         written: list[bool] = []
+        evicted: list[Sequence[bytes] | None] = []  # what each reservation's room cost (None: not told)
         in_flight: deque[tuple[list[Reservation], torch.cuda.Event]] = deque()  # oldest first
         reserved: list[Reservation] = []  # the reservations of the batch being queued
         try:
@@ -392,7 +408,8 @@ class DeviceTransfer:
                 with torch.cuda.stream(copies):
                     copies.wait_event(slot.filled)
                     for a, b in self._parts(page_at, first, end, k):
-                        reserved.append(store.reserve(list(zip(map(_KEY, pages[a:b]), size_list[a:b]))))
+                        reserved.append(store.reserve(ItemColumns(keys[a:b], size_list[a:b])))
+                        evicted.append(reserved[-1].evicted)
                         self._copy_out(reserved[-1], sizes[a:b], page_at[a:b] - base, slot)
                     slot.done.record()
                 in_flight.append((reserved, slot.done))
@@ -406,10 +423,23 @@ class DeviceTransfer:
                     store.publish(reservation, [False] * len(reservation.items))
             while in_flight:
                 written += self._publish(store, *in_flight.popleft())
-        if len(cuts) > 2 and any(written):  # a later batch may have evicted an earlier one's pages
-            kept = iter(store.contains_many([pages[i].key for i, ok in enumerate(written) if ok]))
-            written = [ok and next(kept) for ok in written]
+        if len(cuts) > 2 and any(written):
+            written = self._kept(store, keys, written, evicted)
         return self._ungrouped(written, order)
+
+    @staticmethod
+    def _kept(store: Store, keys: list[bytes], written: list[bool], evicted: list) -> list[bool]:
+        """`written` (per key), less the pages a later batch of the same save evicted: those among the
+        keys the reservations say they evicted (all of the written ones where a tier does not say) that
+        the store no longer holds."""
+        if None in evicted:
+            doubt = [i for i, ok in enumerate(written) if ok]
+        else:
+            gone = set().union(*evicted)
+            doubt = [i for i, ok in enumerate(written) if ok and keys[i] in gone] if gone else []
+        for i, there in zip(doubt, store.contains_many([keys[i] for i in doubt]) if doubt else ()):
+            written[i] = there
+        return written
 
     @staticmethod
     def _parts(page_at: np.ndarray, first: int, end: int, k: int) -> tuple[tuple[int, int], ...]:
@@ -486,7 +516,7 @@ class DeviceTransfer:
         pages, columns, order = self._grouped(pages)
         placed = self._place(pages, columns)
         sizes, page_at, cuts = placed.sizes, placed.page_at, placed.cuts
-        keys = list(map(_KEY, pages))
+        keys = list(placed.keys)
         if len(cuts) > 2:  # a tier behind the arena reads the later batches while the first ones move
             store.advise(keys)
         arrived = np.zeros(len(pages), dtype=bool)

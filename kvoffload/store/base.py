@@ -24,6 +24,29 @@ log = logging.getLogger(__name__)
 Fill = Callable[[list["np.ndarray | None"]], list[bool]]
 
 
+class ItemColumns(Sequence[tuple[bytes, int]]):
+    """(key, size) pairs kept as their two columns: a batch of thousands of small pages goes through
+    `Store.reserve` and `Reservation.items` without a tuple per page (the arena reads the columns)."""
+
+    __slots__ = ("keys", "sizes")
+
+    def __init__(self, keys: list[bytes], sizes: list[int]):
+        if len(keys) != len(sizes):
+            raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes")
+        self.keys, self.sizes = keys, sizes
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, i):  # an index or a slice, as a list's
+        if isinstance(i, slice):
+            return ItemColumns(self.keys[i], self.sizes[i])
+        return self.keys[i], self.sizes[i]
+
+    def __iter__(self):
+        return zip(self.keys, self.sizes)
+
+
 @dataclass(frozen=True)
 class Reservation:
     """Destinations `Store.reserve` handed out for `items` ((key, size) pairs), until `publish`.
@@ -31,11 +54,12 @@ class Reservation:
     asking numpy (the arena: a device copies runs of adjacent slots without a per-page lookup; its
     `destinations` are made only when read, so a device transfer, which copies by address, makes none)."""
 
-    items: list[tuple[bytes, int]]
+    items: Sequence[tuple[bytes, int]]
     destinations: Sequence[np.ndarray | None]
     handle: object = None  # the tier's
     addresses: np.ndarray | None = None  # int64
     room: np.ndarray | None = None  # int64, with `addresses`: bytes each may take (its slot: >= its value)
+    evicted: Sequence[bytes] | None = None  # the keys making room for it took out, where the tier tells
 
     def filled_all(self) -> list[bool]:
         """Every value that has a destination: the flags to publish once all of them were written."""

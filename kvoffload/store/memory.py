@@ -38,7 +38,7 @@ from typing import NamedTuple, cast
 import numpy as np
 
 from .arena import SHIFT, SLOT_MASK, Arena, SlotViews
-from .base import HeldBatch, Lease, Reservation, Store, check_keys
+from .base import HeldBatch, ItemColumns, Lease, Reservation, Store, check_keys
 from .buffers import Buffer
 from .errors import EntryTooLargeError, StoreConfigError
 from .eviction import make_policy, policy_name
@@ -177,9 +177,12 @@ class MemoryStore(Store):
         def may_go(victims: list[bytes]) -> bool:  # unheld, and slots of this class: handed on as they are
             gone[:] = map(self._index.pop, victims)  # one lookup each: put back below if they may not go
             taken[:] = map(itemgetter(0), gone)
-            lo, hi = min(taken) >> SHIFT, max(taken) >> SHIFT  # mostly one chunk: no set of chunk ids
-            chunk_ids = (lo,) if lo == hi else {slot >> SHIFT for slot in taken}
-            if self._holds.keys().isdisjoint(taken) and all(chunks[c].slot_bytes == cls for c in chunk_ids):
+            lo, hi = min(taken) >> SHIFT, max(taken) >> SHIFT  # mostly a few adjacent chunks: no set of ids
+            chunk_ids: Iterable[int] = range(lo, hi + 1)
+            if hi - lo > 8 or not all(c in chunks and chunks[c].slot_bytes == cls for c in chunk_ids):
+                chunk_ids = {slot >> SHIFT for slot in taken}
+            unheld = not self._holds or self._holds.keys().isdisjoint(taken)
+            if unheld and all(chunks[c].slot_bytes == cls for c in chunk_ids):
                 return True
             self._index.update(zip(victims, gone))
             return False
@@ -283,7 +286,8 @@ class MemoryStore(Store):
             if self._on_evict is not None:  # a key this batch writes again is not gone
                 self._report_evicted(list(set(evicted.keys).difference(keys)))
         handle = _Batch(slots, keys, sizes)
-        return Reservation(list(zip(keys, sizes)), SlotViews(self._arena, slots, sizes), handle, addresses, room)
+        views = SlotViews(self._arena, slots, sizes)
+        return Reservation(ItemColumns(keys, sizes), views, handle, addresses, room, evicted.keys)
 
     def publish(self, reservation: Reservation, filled: Sequence[bool]) -> list[bool]:
         """Index the slots `filled` marks (replacing older values of their keys), free the others."""
@@ -337,7 +341,10 @@ class MemoryStore(Store):
     def reserve(self, items: Sequence[tuple[bytes, int]]) -> Reservation:
         """Held slots for the values (None: no room, or a later item of the batch replaces or evicts
         that one), invisible until `publish`; `write_many` is reserve, fill, publish."""
-        keys, sizes = (list(column) for column in zip(*items)) if items else ([], [])
+        if isinstance(items, ItemColumns):  # a batch's columns as they are (`check_keys` copies none)
+            keys, sizes = items.keys, items.sizes
+        else:
+            keys, sizes = (list(column) for column in zip(*items)) if items else ([], [])
         keys = check_keys(keys, self.max_key_bytes, self.url)
         distinct = set(sizes)  # a layout has few page sizes: checked once each
         if not {type(n) for n in distinct} <= {int}:

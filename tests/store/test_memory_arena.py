@@ -480,3 +480,24 @@ def test_a_held_batch_says_each_values_address_and_room_across_many_chunks(batch
     again = {b"j%d" % i: _bytes(1000 + i, 6 * PAGE) for i in range(200)}
     assert all(store.put_many(list(again.items())))
     check(again)
+
+
+def test_a_reservation_of_item_columns_is_one_of_pairs():
+    """`ItemColumns` (a batch's keys and sizes as two columns) reserves, fills and publishes as the same
+    (key, size) pairs do, and its reservation names what making room evicted."""
+    from kvoffload.store.base import ItemColumns
+
+    store = MemoryStore(4 * 4096, pinned=False)
+    first = store.reserve(ItemColumns([b"a", b"b", b"c", b"d"], [4096] * 4))
+    assert list(first.items) == [(b"a", 4096), (b"b", 4096), (b"c", 4096), (b"d", 4096)] and first.evicted == []
+    for i, out in enumerate(first.destinations):
+        out[:] = i
+    assert store.publish(first, first.filled_all()) == [True] * 4
+    second = store.reserve(ItemColumns([b"e", b"f"], [100, 4096]))
+    assert list(second.items[1:]) == [(b"f", 4096)] and sorted(second.evicted) == [b"a", b"b"]  # LRU victims
+    second.destinations[0][:] = 9
+    second.destinations[1][:] = 8
+    assert store.publish(second, second.filled_all()) == [True, True]
+    assert store.get(b"e") == bytes([9]) * 100 and store.get(b"c") == bytes([2]) * 4096 and not store.contains(b"a")
+    with pytest.raises(ValueError):
+        ItemColumns([b"x"], [1, 2])

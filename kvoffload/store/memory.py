@@ -106,7 +106,7 @@ class MemoryStore(Store):
         self._holds: dict[int, int] = {}  # slot -> holders (readers, leases)
         self._orphans: set[int] = set()  # held slots whose key left the index: freed at the last release
         self._leases: dict[int, int] = {}  # lease id -> slot
-        self._batches: dict[int, tuple[list[int], bool]] = {}  # batch lease id -> its slots, all distinct?
+        self._batches: dict[int, tuple[Sequence[int], bool]] = {}  # batch lease id -> its slots, all distinct?
         self._used = self._pending = 0  # value bytes, slots being filled
         self._bulk = True  # the bulk paths (a test turns them off to hold them to the per-value path)
         self._closed = False
@@ -178,11 +178,10 @@ class MemoryStore(Store):
             gone[:] = map(self._index.pop, victims)  # one lookup each: put back below if they may not go
             taken[:] = map(itemgetter(0), gone)
             lo, hi = min(taken) >> SHIFT, max(taken) >> SHIFT  # mostly a few adjacent chunks: no set of ids
-            chunk_ids: Iterable[int] = range(lo, hi + 1)
-            if hi - lo > 8 or not all(c in chunks and chunks[c].slot_bytes == cls for c in chunk_ids):
-                chunk_ids = {slot >> SHIFT for slot in taken}
-            unheld = not self._holds or self._holds.keys().isdisjoint(taken)
-            if unheld and all(chunks[c].slot_bytes == cls for c in chunk_ids):
+            of_class = hi - lo <= 8 and all(c in chunks and chunks[c].slot_bytes == cls for c in range(lo, hi + 1))
+            if not of_class:  # many chunks, or another class's between them: the victims' own chunks
+                of_class = all(chunks[c].slot_bytes == cls for c in {slot >> SHIFT for slot in taken})
+            if of_class and (not self._holds or self._holds.keys().isdisjoint(taken)):
                 return True
             self._index.update(zip(victims, gone))
             return False
@@ -386,11 +385,12 @@ class MemoryStore(Store):
                 found = [(-1, 0) if entry is None else entry for entry in entries]
             else:
                 found = cast(list[tuple[int, int]], entries)
-            slots, sizes = (list(column) for column in zip(*found)) if found else ([], [])
+            slots, sizes = zip(*found) if found else ((), ())
             held = [slot for slot in slots if slot >= 0] if missed else slots
             once = dict.fromkeys(held, 1)
             distinct = len(once) == len(held)
-            if self._bulk and distinct and holds.keys().isdisjoint(once):  # unheld, once each
+            # unheld, once each (`once.keys()`, a view: isdisjoint walks the smaller side, mostly the holds)
+            if self._bulk and distinct and holds.keys().isdisjoint(once.keys()):
                 holds.update(once)
             else:
                 for slot in held:

@@ -13,7 +13,7 @@ import torch
 
 from kvoffload.store import EntryTooLargeError
 from kvoffload.store.arena import PAGE
-from kvoffload.store.base import HeldBatch
+from kvoffload.store.base import HeldBatch, ItemColumns
 from kvoffload.store.memory import MemoryStore
 
 KiB = 1024
@@ -420,7 +420,9 @@ def test_the_bulk_paths_hand_out_and_evict_what_the_per_value_path_does(evict):
         action, unfilled = rng.random(), rng.random() < 0.1
         for store in (fast, slow):
             if action < 0.6:
-                reservation = store.reserve(list(zip(keys, sizes)))
+                pairs = list(zip(keys, sizes))
+                reservation = store.reserve(ItemColumns(keys, sizes) if store is fast and step % 2 else pairs)
+                assert list(reservation.items) == pairs
                 flags = [d is not None for d in reservation.destinations]
                 store.publish(reservation, [False] + flags[1:] if unfilled else flags)
             elif action < 0.7:
@@ -485,8 +487,6 @@ def test_a_held_batch_says_each_values_address_and_room_across_many_chunks(batch
 def test_a_reservation_of_item_columns_is_one_of_pairs():
     """`ItemColumns` (a batch's keys and sizes as two columns) reserves, fills and publishes as the same
     (key, size) pairs do, and its reservation names what making room evicted."""
-    from kvoffload.store.base import ItemColumns
-
     store = MemoryStore(4 * 4096, pinned=False)
     first = store.reserve(ItemColumns([b"a", b"b", b"c", b"d"], [4096] * 4))
     assert list(first.items) == [(b"a", 4096), (b"b", 4096), (b"c", 4096), (b"d", 4096)] and first.evicted == []

@@ -389,35 +389,6 @@ def test_interleaved_groups_move_in_runs_and_answer_in_the_callers_order(monkeyp
             assert not after.gather(into.group, into.block).any()
 
 
-@pytest.mark.skipif(not GPU, reason="the in-place arena paths run on a GPU only")
-def test_a_save_whose_later_batches_evict_its_earlier_ones_says_which_pages_stayed(monkeypatch):
-    """An arena of 6 slots takes a save of 12 pages in batches of 3: what the call returns is what the
-    store holds afterwards, and only the pages its reservations say they evicted are looked up again."""
-    from kvoffload.store import MemoryStore
-
-    paged, _ = _groups()
-    source = torch.randint(0, 256, (32 * STRIDE,), dtype=torch.uint8, device="cuda")
-    transfer = _transfer(source, TRITON, staging_bytes=3 * paged.used_bytes_per_block)
-    store = MemoryStore(6 * 8192, chunk_bytes=8192)
-    items = [Page(f"k{b}".encode(), paged, b, b) for b in range(12)]
-    evicted, asked = set(), []
-    real_reserve, real_contains = store.reserve, store.contains_many
-
-    def reserve(it):
-        reservation = real_reserve(it)
-        evicted.update(reservation.evicted)
-        return reservation
-
-    monkeypatch.setattr(store, "reserve", reserve)
-    monkeypatch.setattr(store, "contains_many", lambda keys: asked.extend(keys) or real_contains(keys))
-    ok = transfer.save(store, items)
-    monkeypatch.undo()
-    assert ok == store.contains_many([p.key for p in items]) and 0 < ok.count(True) <= 6
-    assert evicted & {p.key for p in items} and set(asked) <= evicted
-    before = HostTransfer(source.cpu())
-    assert all(bytes(store.get(p.key)) == before.gather(p.group, p.block).tobytes() for p, kept in zip(items, ok) if kept)
-
-
 def test_pages_a_tier_cannot_vouch_for_are_looked_up_again():
     """A reservation that does not say what it evicted (None: a tiered store's) leaves every written page
     to a lookup; one that says so, only those it names."""

@@ -73,14 +73,14 @@ def store_key(layout: LayoutView, block_key: bytes, group: GroupView, rank: int 
 
 
 def _store_keys(
-    layout: LayoutView, block_keys: Sequence[bytes], group: GroupView, blocks: Iterable[int], rank: int
+    layout: LayoutView, block_keys: Sequence[bytes], pages: Iterable[tuple[int, GroupView]], rank: int
 ) -> list[bytes]:
-    """`store_key` of `group`'s pages of `blocks`: on one rank a block key is its own shard's, so each is
-    one remembered `page_key` (a restore's lookup and load derive hundreds on its critical path)."""
+    """`store_key` of pages, each a (block index, group), for `rank`: on one rank a block key is its own
+    shard's (`shard_key`), so each is one remembered `page_key` (a restore's lookup and load derive
+    hundreds on its critical path). The one place that writes this rule."""
     if layout.tp_size == 1:
-        name = group.name
-        return [page_key(block_keys[i], name) for i in blocks]
-    return [store_key(layout, block_keys[i], group, rank) for i in blocks]
+        return [page_key(block_keys[i], g.name) for i, g in pages]
+    return [store_key(layout, block_keys[i], g, rank) for i, g in pages]
 
 
 def page(
@@ -115,9 +115,8 @@ def _pages(
     for g in _groups(layout, kind):
         at = None if table is None else table[g.index] if isinstance(table, Mapping) else table
         places = repeat(None) if at is None else map(at.__getitem__, blocks)
-        per_group.append(
-            list(map(_page_of, zip(_store_keys(layout, block_keys, g, blocks, rank), repeat(g), blocks, places)))
-        )
+        keys = _store_keys(layout, block_keys, zip(blocks, repeat(g)), rank)
+        per_group.append(list(map(_page_of, zip(keys, repeat(g), blocks, places))))
     return per_group[0] if len(per_group) == 1 else [p for block in zip(*per_group) for p in block]
 
 
@@ -127,9 +126,11 @@ def every_rank_keys(
     """The store keys of pages, each a (block index, group), on every TP rank (a key ranks share once)
     -> their block index. The one place that spells out every rank's keys of a block."""
     pages = list(pages)
-    if layout.tp_size == 1:  # a block key is its own shard's (`_store_keys`)
-        return {page_key(block_keys[i], g.name): i for i, g in pages}
-    return {store_key(layout, block_keys[i], g, rank): i for rank in range(layout.tp_size) for i, g in pages}
+    blocks = [i for i, _ in pages]
+    keys: dict[bytes, int] = {}
+    for rank in range(layout.tp_size):
+        keys.update(zip(_store_keys(layout, block_keys, pages, rank), blocks))
+    return keys
 
 
 def held_keys(layout: LayoutView, block_keys: Sequence[bytes], index: int) -> list[bytes]:

@@ -330,12 +330,14 @@ class DeviceTransfer:
         """`fill(host staging, page offsets)` writes the batch's pages into pinned staging and says which
         arrived; those are copied to the device and scattered into their blocks. Compute queued after
         this call waits for them; the host does not."""
-        if not batch:
-            return []
-        placed = self._place(batch)
-        total = int(placed.page_at[-1] + placed.sizes[-1])
+        return self._unpack(self._place(batch), 0, len(batch), fill, index, after) if batch else []
+
+    def _unpack(self, placed: _Placed, first: int, end: int, fill, index: int, after) -> list[bool]:
+        """`unpack` of the placed pages [first, end) (one batch) through load staging slot `index`."""
+        at = placed.page_at[first:end] - placed.page_at[first]
+        total = int(at[-1] + placed.sizes[end - 1])
         slot = self._slot("load", index, total)
-        ok = fill(slot.host_bytes, placed.page_at.tolist())
+        ok = fill(slot.host_bytes, at.tolist())
         arrived = np.asarray(ok, dtype=bool)
         if not arrived.any():
             return ok
@@ -343,7 +345,7 @@ class DeviceTransfer:
         with self._on("load", wait=False):
             if self.gpu:
                 slot.device[:total].copy_(slot.host[:total], non_blocking=True)
-            self._move(placed, 0, len(batch), slot, gather=False, keep=arrived)
+            self._move(placed, first, end, slot, gather=False, keep=arrived)
             if self.gpu:
                 slot.done.record()
         if self.gpu:
@@ -475,26 +477,27 @@ class DeviceTransfer:
         without, compute queued after this call waits for them and the host does not."""
         if store.in_place and self.gpu:
             return self._load_in_place(store, pages, after)
-        pages, _, order = self._grouped(pages)
+        pages, columns, order = self._grouped(pages)
+        placed = self._place(pages, columns)
+        keys, cuts = placed.keys, placed.cuts
+        if len(cuts) > 2:  # a disk tier reads the later batches while the first ones move
+            store.advise(list(keys))
         ok: list[bool] = []
-        batches = self.batches(pages)
-        if len(batches) > 1:  # a disk tier reads the later batches while the first ones move
-            store.advise([page.key for page in pages])
-        for i, batch in enumerate(batches):
+        for k, (first, end) in enumerate(zip(cuts, cuts[1:])):
+            sizes = placed.sizes[first:end].tolist()
 
-            def fill(host: np.ndarray, offsets: list[int], batch=batch) -> list[bool]:
-                arrived = [False] * len(batch)
+            def fill(host: np.ndarray, offsets: list[int], first=first, end=end, sizes=sizes) -> list[bool]:
+                arrived = [False] * len(sizes)
 
                 def consume(j: int, view: memoryview) -> None:
-                    n = batch[j].group.used_bytes_per_block
-                    if view.nbytes == n:
-                        host[offsets[j] : offsets[j] + n] = np.frombuffer(view, dtype=np.uint8)
+                    if view.nbytes == sizes[j]:  # a value of another size is a miss
+                        host[offsets[j] : offsets[j] + sizes[j]] = np.frombuffer(view, dtype=np.uint8)
                         arrived[j] = True
 
-                store.read_many([item.key for item in batch], consume)
+                store.read_many(list(keys[first:end]), consume)
                 return arrived
 
-            ok += self.unpack(batch, fill, index=i % 2, after=after)
+            ok += self._unpack(placed, first, end, fill, k % 2, after)
         if after is not None:
             for index in (0, 1):
                 if ("load", index) in self._slots:

@@ -266,9 +266,10 @@ class DeviceTransfer:
         if len(groups) <= 1 or np.count_nonzero(np.diff(which)) < len(groups):  # grouped already
             return items, columns, None
         order = np.argsort(which, kind="stable")
-        keys = [columns.keys[i] for i in order.tolist()]
+        at = order.tolist()
+        keys = [columns.keys[i] for i in at]
         grouped = _Columns(groups, which[order], columns.sizes[order], keys, columns.blocks[order])
-        return [items[i] for i in order.tolist()], grouped, order
+        return [items[i] for i in at], grouped, order
 
     @staticmethod
     def _ungrouped(done: Sequence[bool] | np.ndarray, order: np.ndarray | None) -> list[bool]:
@@ -481,7 +482,7 @@ class DeviceTransfer:
         placed = self._place(pages, columns)
         keys, cuts = placed.keys, placed.cuts
         if len(cuts) > 2:  # a disk tier reads the later batches while the first ones move
-            store.advise(list(keys))
+            store.advise(keys)
         ok: list[bool] = []
         for k, (first, end) in enumerate(zip(cuts, cuts[1:])):
             sizes = placed.sizes[first:end].tolist()
@@ -494,7 +495,7 @@ class DeviceTransfer:
                         host[offsets[j] : offsets[j] + sizes[j]] = np.frombuffer(view, dtype=np.uint8)
                         arrived[j] = True
 
-                store.read_many(list(keys[first:end]), consume)
+                store.read_many(keys[first:end], consume)
                 return arrived
 
             ok += self._unpack(placed, first, end, fill, k % 2, after)
@@ -519,7 +520,7 @@ class DeviceTransfer:
         pages, columns, order = self._grouped(pages)
         placed = self._place(pages, columns)
         sizes, page_at, cuts = placed.sizes, placed.page_at, placed.cuts
-        keys = list(placed.keys)
+        keys = placed.keys
         if len(cuts) > 2:  # a tier behind the arena reads the later batches while the first ones move
             store.advise(keys)
         arrived = np.zeros(len(pages), dtype=bool)

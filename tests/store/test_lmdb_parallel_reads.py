@@ -186,11 +186,12 @@ def test_close_ends_advice_still_queued_and_later_advice_is_ignored(tmp_path, mo
     store.advise(list(values))
     closer = threading.Thread(target=store.close)
     closer.start()
-    while not store._readers._stopping.is_set():
-        pass
+    assert store._readers._stopping.wait(timeout=30)
     gate.set()
     closer.join(timeout=30)
     assert not closer.is_alive() and advised == []  # the queued advice saw the store closing: nothing advised
+    store._readers.ahead(None, None, list(values))  # after close: no thread made, nothing advised
+    assert store._readers._advisor is None and advised == []
 
 
 def test_a_tiered_store_advises_its_back_of_what_memory_lacks(tmp_path):

@@ -20,7 +20,8 @@ def runs(
     staging: one DMA per run instead of one per page. Pages are adjacent when the step to the next one
     is the same in host memory and in staging and lies within the first one's `room` (its arena slot,
     default: its size): the bytes between two pages are then the first slot's own padding and staging
-    that nobody uses, so pages whose size is not a multiple of the slot's still join. A page at address
+    that nobody uses, so pages whose size is not a multiple of the slot's still join. A room of 0 ends a
+    run (a chunk's last slot: one copy must not cross into another allocation). A page at address
     0 (a miss, no room) is skipped. Vectorised: a batch of small pages costs no Python per page here."""
     at, n, o = np.asarray(addresses, dtype=np.int64), sizes, offsets
     fits = n if room is None else np.asarray(room, dtype=np.int64)

@@ -68,8 +68,9 @@ class Arena:
         self.reserved = 0  # bytes in chunks
         self.limit = capacity  # lowered if the host refuses memory
         self._ids = itertools.count()
-        # Per chunk id, for `locate`: its address and slot size (room for 64 chunks, grown by doubling).
-        self._bases, self._steps = np.zeros(64, dtype=np.int64), np.zeros(64, dtype=np.int64)
+        # Per chunk id, for `locate`: its address, slot size and index of its last slot (room for 64
+        # chunks, grown by doubling).
+        self._bases, self._steps, self._lasts = (np.zeros(64, dtype=np.int64) for _ in range(3))
 
     def allocate(self, nbytes: int) -> np.ndarray:
         if self.pinned:
@@ -118,31 +119,38 @@ class Arena:
         return chunk.array[start : start + nbytes], chunk.address + start
 
     def locate(self, slots: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """The host address and the size of each slot (-1: none, 0 and 0), vectorised over a table of
-        the chunks' addresses and slot sizes (no sort, no per-slot Python but for a few slots)."""
+        """The host address and the room of each slot (-1: none, 0 and 0), vectorised over a table of
+        the chunks' addresses and slot sizes (no sort, no per-slot Python but for a few slots). The room
+        is what a device copy may cover from the address on to reach the next slot (`Reservation.room`):
+        the slot's size, 0 for a chunk's last slot. Chunks are separate allocations, and a copy must not
+        run from one into the next even where they lie next to each other (a CUDA copy then fails)."""
         if len(slots) <= FEW:
             parts = [(0, 0) if s < 0 else self._where(s) for s in slots]
             return np.array([a for a, _ in parts], np.int64), np.array([n for _, n in parts], np.int64)
         at = np.asarray(slots, dtype=np.int64)
         ids = at >> SHIFT  # a missing slot (-1) reads the table's last row: zeroed below
+        index = at & SLOT_MASK
         step = self._steps[ids]
-        address = self._bases[ids] + (at & SLOT_MASK) * step
+        address = self._bases[ids] + index * step
+        room = np.where(index == self._lasts[ids], 0, step)
         missing = at < 0
         if missing.any():
-            address[missing] = step[missing] = 0
-        return address, step
+            address[missing] = room[missing] = 0
+        return address, room
 
     def _where(self, slot: int) -> tuple[int, int]:
-        chunk = self.chunks[slot >> SHIFT]
-        return chunk.address + (slot & SLOT_MASK) * chunk.slot_bytes, chunk.slot_bytes
+        chunk, index = self.chunks[slot >> SHIFT], slot & SLOT_MASK
+        last = chunk.size // chunk.slot_bytes - 1
+        return chunk.address + index * chunk.slot_bytes, 0 if index == last else chunk.slot_bytes
 
     def _describe(self, chunk: Chunk) -> None:
-        """Enter a chunk's address and slot size in `locate`'s table (grown by doubling)."""
+        """Enter a chunk's address, slot size and last slot in `locate`'s table (grown by doubling)."""
         if chunk.id >= len(self._bases):
-            size = 2 * chunk.id
-            self._bases = np.concatenate([self._bases, np.zeros(size - len(self._bases), np.int64)])
-            self._steps = np.concatenate([self._steps, np.zeros(size - len(self._steps), np.int64)])
+            grow = np.zeros(2 * chunk.id - len(self._bases), np.int64)
+            tables = (self._bases, self._steps, self._lasts)
+            self._bases, self._steps, self._lasts = (np.concatenate([t, grow]) for t in tables)
         self._bases[chunk.id], self._steps[chunk.id] = chunk.address, chunk.slot_bytes
+        self._lasts[chunk.id] = chunk.size // chunk.slot_bytes - 1
 
     def take(self, cls: int) -> int | None:
         """A slot of class `cls`: a free one, a new chunk's, or None (then `cls` is starved)."""

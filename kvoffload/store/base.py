@@ -58,7 +58,9 @@ class Reservation:
     destinations: Sequence[np.ndarray | None]
     handle: object = None  # the tier's
     addresses: np.ndarray | None = None  # int64
-    room: np.ndarray | None = None  # int64, with `addresses`: bytes each may take (its slot: >= its value)
+    # int64, with `addresses`: bytes a copy may cover from each address on, to reach the next value with
+    # it (its slot; 0 where no copy may run on past it: another allocation follows)
+    room: np.ndarray | None = None
     evicted: Sequence[bytes] | None = None  # the keys making room for it took out, where the tier tells
 
     def filled_all(self) -> list[bool]:
@@ -87,7 +89,7 @@ class HeldBatch(NamedTuple):
     addresses: np.ndarray  # int64 per key: the value's host address, 0 for a miss
     sizes: np.ndarray  # int64 per key: its bytes, 0 for a miss
     handle: object  # the tier's, for `release_batch`
-    room: np.ndarray | None = None  # int64 per key: bytes readable at its address (its slot: >= its size)
+    room: np.ndarray | None = None  # int64 per key: as `Reservation.room`
 
 
 def host_address(view: np.ndarray, known: int = 0) -> int:

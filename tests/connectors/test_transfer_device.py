@@ -22,6 +22,7 @@ except ImportError:
 # (device, use the Triton span copy): the batched-copy path everywhere, the Triton kernel on a GPU
 PATHS = [("cpu", False)] + ([("cuda", False)] if GPU else []) + ([("cuda", True)] if TRITON else [])
 STRIDE = 16384
+KiB = 1024
 
 
 def _groups():
@@ -206,6 +207,35 @@ def test_adjacent_arena_slots_move_in_one_copy():
     assert _runs(np.array([base, base + 8]), np.array([8, 0]), np.array([0, 8])) == [(base, 0, 8)]  # size 0: skipped
 
 
+def test_a_run_of_slots_never_crosses_from_one_chunk_into_the_next():
+    """Chunks are separate host allocations: one copy over two of them fails on CUDA even where they lie
+    next to each other. Pages in slots adjacent within a chunk join; across a chunk's end they do not."""
+    from kvoffload.connectors.host_runs import runs as _runs
+    from kvoffload.store import MemoryStore
+
+    memory = np.zeros(256 * KiB, dtype=np.uint8)
+    store = MemoryStore(memory.nbytes, pinned=False, chunk_bytes=16 * KiB, reserve=False)  # 2 slots a chunk
+    carved = [0]
+
+    def allocate(n: int) -> np.ndarray:  # chunks back to back in one stretch of host memory
+        carved.append(carved[-1] + n)
+        return memory[carved[-2] : carved[-1]]
+
+    store._arena.allocate = allocate
+    reservation = store.reserve([(b"k%d" % i, 7000) for i in range(8)])
+    addresses = reservation.addresses
+    assert addresses.tolist() == [memory.ctypes.data + 8192 * i for i in range(8)]  # one adjacent stretch
+    assert reservation.room.tolist() == [8192, 0] * 4  # each chunk's second slot ends it
+    staged = np.arange(8) * 8192
+    assert _runs(addresses, np.full(8, 7000), staged, reservation.room) == [
+        (memory.ctypes.data + 2 * 8192 * c, 2 * 8192 * c, 8192 + 7000) for c in range(4)
+    ]
+    assert store.publish(reservation, [True] * 8) == [True] * 8
+    held = store.acquire_batch([b"k%d" % i for i in range(8)])
+    assert held.room.tolist() == [8192, 0] * 4
+    store.release_batch(held)
+
+
 def test_the_arena_says_its_slots_addresses():
     """The in-place paths take host addresses from the arena (no numpy lookup per page): they must be
     the very addresses of the views it hands out, for reservations and leases alike."""
@@ -387,6 +417,37 @@ def test_interleaved_groups_move_in_runs_and_answer_in_the_callers_order(monkeyp
             assert np.array_equal(after.gather(into.group, into.block), before.gather(p.group, p.block))
         else:
             assert not after.gather(into.group, into.block).any()
+
+
+@pytest.mark.skipif(not GPU, reason="the in-place arena paths run on a GPU only")
+def test_a_save_whose_later_batches_evict_its_earlier_ones_says_which_pages_stayed(monkeypatch):
+    """An arena of 6 slots and a save of 12 pages in batches of 2: the later batches evict the earlier
+    ones (published while the later ones are in flight); the save says True for exactly the pages the store
+    still holds, byte for byte, and looks up again only the pages its own reservations evicted."""
+    from kvoffload.store import MemoryStore
+    paged, _ = _groups()
+    source = torch.randint(0, 256, (32 * STRIDE,), dtype=torch.uint8, device="cuda")
+    transfer = _transfer(source, TRITON, staging_bytes=3 * paged.used_bytes_per_block)
+    store = MemoryStore(6 * 8192, chunk_bytes=8192)  # a 7000-byte page takes an 8192-byte slot: 6 slots
+    items = [Page(f"k{b}".encode(), paged, b, b) for b in range(12)]
+    evicted, asked = set(), []
+    real_reserve, real_contains = store.reserve, store.contains_many
+
+    def reserve(it):
+        reservation = real_reserve(it)
+        evicted.update(reservation.evicted)
+        return reservation
+
+    monkeypatch.setattr(store, "reserve", reserve)
+    monkeypatch.setattr(store, "contains_many", lambda keys: asked.extend(keys) or real_contains(keys))
+    ok = transfer.save(store, items)
+    monkeypatch.undo()
+    assert len(transfer.batches(items)) == 6
+    assert ok == store.contains_many([p.key for p in items]) and 0 < ok.count(True) <= 6
+    assert evicted & {p.key for p in items} and set(asked) <= evicted
+    before = HostTransfer(source.cpu())
+    kept = [p for p, there in zip(items, ok) if there]
+    assert all(bytes(store.get(p.key)) == before.gather(p.group, p.block).tobytes() for p in kept)
 
 
 def test_pages_a_tier_cannot_vouch_for_are_looked_up_again():

@@ -8,9 +8,8 @@ next batches move while the store takes the last one.
 Warm start (`warm_up`, run by the `Offloader` that owns the transfer, so at an engine's start): the
 staging slots (`STAGING_SLOTS` per direction), their page tables, every group's page template on the
 device, the copy kernel for every word size they move in and the wrapping of host memory by address are
-made before the first request, and a save and a load of block 0 run its host code once. Made lazily,
-they cost the first restore of a process (the restart that offload exists for) some 100-200 ms:
-page-locking 768 MiB and compiling kernels.
+made before the first request. Made lazily, they cost the first restore of a process (the restart that
+offload exists for) some 100-200 ms: page-locking 768 MiB and compiling kernels.
 
 Only torch's stream, event and pinned-memory calls are used: on ROCm builds of torch they are HIP's.
 On a CPU buffer the same code runs without streams (used by the tests on machines without a GPU)."""
@@ -133,8 +132,8 @@ class DeviceTransfer:
         """Make now what a first save or load of `groups`' pages would make: both directions' staging
         slots at full size (page-locked host, device), their page tables sized for a full batch, every
         group's page template on the device and the copy kernel for the word it moves in (one gather of
-        a page of each into staging), one pass of the host's batch planning, and a save and load of block
-        0 (`_rehearse`). Returns (and keeps in `warm_up_s`) its cost in seconds; nothing to do on the CPU."""
+        a page of each into staging), and one pass of the host's batch planning. Returns (and keeps in
+        `warm_up_s`) its cost in seconds; nothing to do on the CPU."""
         started = time.perf_counter()
         if self.gpu and groups:
             size = max(self.staging_bytes, max(g.used_bytes_per_block for g in groups))
@@ -154,28 +153,9 @@ class DeviceTransfer:
             items, columns, _ = self._grouped([Page(b"", g, 0, 0) for g in groups])
             self._group_runs(self._place(items, columns).which, groups)
             runs(np.ones(1, np.int64), np.ones(1, np.int64), np.zeros(1, np.int64))
-            self._rehearse(groups)
             torch.cuda.synchronize(self.device)
         self.warm_up_s = time.perf_counter() - started
         return self.warm_up_s
-
-    def _rehearse(self, groups: Sequence[CacheGroup]) -> None:
-        """A save and a load of block 0's page of each group through a scratch arena, so the host code of
-        both in-place paths has run once (the interpreter's and numpy's first calls are 1.5-2x slower)
-        before the first request: on the H200, a first restore at block 64 went from 0.80 to 0.82 of a
-        raw copy. The load writes back the very bytes the save read, at the engine's start (before it
-        computes anything), on the transfer's streams after the compute queued so far."""
-        from ..store import MemoryStore
-
-        pages = [Page(b"warm-up/%d" % i, group, 0, 0) for i, group in enumerate(groups)]
-        room = sum(-(-g.used_bytes_per_block // SLOT_ALIGN) * SLOT_ALIGN for g in groups)
-        scratch = MemoryStore(2 * room, pinned=True, reserve=False)  # twice: a chunk may round up
-        try:
-            saved = self.save(scratch, pages)
-            self.load(scratch, [page for page, ok in zip(pages, saved) if ok])
-        finally:
-            torch.cuda.synchronize(self.device)
-            scratch.close()
 
     # -- batches and staging -------------------------------------------------------------------------
     def batches(self, items: Sequence[Page]) -> list[Sequence[Page]]:

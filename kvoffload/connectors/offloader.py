@@ -57,12 +57,8 @@ class Offloader:
     def __init__(self, store: Store, layout: CacheLayout, transfer: Transfer, observer: Observer | None = None):
         self.store, self.layout, self.observer = store, layout, observer
         self.transfer: Transfer = transfer
-        # The first request pays no set-up: staging, kernels (see `Transfer.warm_up`), a lookup's host
-        # code run once (`_rehearse_lookup`); its cost, seconds:
-        started = time.perf_counter()
-        transfer.warm_up(layout.cacheable_groups)
-        self._rehearse_lookup()
-        self.warm_up_s = time.perf_counter() - started
+        # The first request pays no set-up: staging, kernels (see `Transfer.warm_up`); its cost, seconds:
+        self.warm_up_s = transfer.warm_up(layout.cacheable_groups)
         self.counters: Counter[str] = Counter()
         self._counter_lock = threading.Lock()  # loads and saves may run on background threads (`jobs`)
         # A store that can never take some group's page (a capacity below one page) can never serve a hit
@@ -82,16 +78,6 @@ class Offloader:
                 store.max_entry_bytes - store.entry_overhead,
                 *too_large[-1],
             )
-
-    def _rehearse_lookup(self) -> None:
-        """A lookup of keys no request has (uncounted, its answer unused): the interpreter's first run of
-        the lookup code is not the first request's. A store that cannot answer now is not an error."""
-        step = max(1, self.layout.hit_alignment // self.layout.block_size)
-        keys = [b"kvoffload/warm-up/%d" % i for i in range(step)]
-        try:
-            hit_blocks(self.layout, keys, step * self.layout.block_size + 1, self.store.contains_many)
-        except Exception as exc:  # noqa: BLE001 - the first real lookup says it again, counted
-            log.debug("kvoffload: the warm start's lookup failed: %s", exc)
 
     def _count(self, **deltas: int) -> None:
         with self._counter_lock:

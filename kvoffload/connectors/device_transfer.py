@@ -378,8 +378,12 @@ class DeviceTransfer:
         if not (store.in_place and self.gpu):
             items, _, order = self._grouped(pages)
             written: list[bool] = []
+            batches = 0
             for batch, views in self.pack(items, after):
                 written += store.put_many([(item.key, view) for item, view in zip(batch, views)])
+                batches += 1
+            if batches > 1 and any(written):  # a later batch may have evicted an earlier one's pages
+                written = self._kept(store, [item.key for item in items], written, [None])
             return self._ungrouped(written, order)
         return self._save_in_place(store, pages, after)
 

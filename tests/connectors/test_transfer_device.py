@@ -450,6 +450,25 @@ def test_a_save_whose_later_batches_evict_its_earlier_ones_says_which_pages_stay
     assert all(bytes(store.get(p.key)) == before.gather(p.group, p.block).tobytes() for p in kept)
 
 
+@pytest.mark.parametrize("device,use_triton", PATHS)
+def test_a_save_through_host_staging_says_true_only_for_pages_still_stored(device, use_triton):
+    """Through pinned host staging (a store that is not an arena on the GPU, any store on the CPU) a save
+    of several batches into a store smaller than it: the later batches evict the earlier ones' pages, and
+    the save says True for exactly the pages the store still holds, byte for byte."""
+    from kvoffload.store import MemoryStore
+
+    paged, _ = _groups()
+    source = torch.randint(0, 256, (32 * STRIDE,), dtype=torch.uint8)
+    transfer = _transfer(source.to(device), use_triton, staging_bytes=3 * paged.used_bytes_per_block)
+    store = MemoryStore(6 * 8192, pinned=False, chunk_bytes=8192)  # 6 slots of 8 KiB (a page: 7000 bytes)
+    items = [Page(f"k{b}".encode(), paged, b, b) for b in range(12)]
+    ok = transfer.save(store, items)
+    assert ok == store.contains_many([p.key for p in items]) and 0 < ok.count(True) <= 6
+    host = HostTransfer(source)
+    kept = [p for p, there in zip(items, ok) if there]
+    assert all(bytes(store.get(p.key)) == host.gather(p.group, p.block).tobytes() for p in kept)
+
+
 def test_pages_a_tier_cannot_vouch_for_are_looked_up_again():
     """A reservation that does not say what it evicted (None: a tiered store's) leaves every written page
     to a lookup; one that says so, only those it names."""

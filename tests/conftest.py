@@ -11,12 +11,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 
-def pytest_collection_modifyitems(items):
-    """Slow tests first (the real vLLM engine, the benchmarks: 30-150 s each, mostly collected last), so
-    the workers end together on short tests instead of one waiting out a long test the other never had."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 def store_urls(tmp_path, capacity="64MiB", memory="64MiB"):
     """One URL per tier, each in its own directory."""
     return {

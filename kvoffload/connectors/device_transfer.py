@@ -376,14 +376,14 @@ class DeviceTransfer:
         store) each page is copied by DMA from device staging straight into its slot; other stores
         take pinned host staging."""
         if not (store.in_place and self.gpu):
-            items, _, order = self._grouped(pages)
+            items, columns, order = self._grouped(pages)
             written: list[bool] = []
             batches = 0
             for batch, views in self.pack(items, after):
                 written += store.put_many([(item.key, view) for item, view in zip(batch, views)])
                 batches += 1
             if batches > 1 and any(written):  # a later batch may have evicted an earlier one's pages
-                written = self._kept(store, [item.key for item in items], written, [None])
+                written = self._kept(store, list(columns.keys), written, [None])  # None: every written page
             return self._ungrouped(written, order)
         return self._save_in_place(store, pages, after)
 

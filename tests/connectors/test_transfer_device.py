@@ -419,6 +419,16 @@ def test_interleaved_groups_move_in_runs_and_answer_in_the_callers_order(monkeyp
             assert not after.gather(into.group, into.block).any()
 
 
+def _says_exactly_the_pages_stored(transfer, store, items, ok, source) -> None:
+    """A save of 12 pages in 6 batches into a 6-slot store: True for exactly the pages it still holds (some,
+    at most 6), each byte for byte the block it was saved from."""
+    assert len(transfer.batches(items)) == 6
+    assert ok == store.contains_many([p.key for p in items]) and 0 < ok.count(True) <= 6
+    host = HostTransfer(source.cpu())
+    kept = [p for p, there in zip(items, ok) if there]
+    assert all(bytes(store.get(p.key)) == host.gather(p.group, p.block).tobytes() for p in kept)
+
+
 @pytest.mark.skipif(not GPU, reason="the in-place arena paths run on a GPU only")
 def test_a_save_whose_later_batches_evict_its_earlier_ones_says_which_pages_stayed(monkeypatch):
     """An arena of 6 slots and a save of 12 pages in batches of 2: the later batches evict the earlier
@@ -442,12 +452,8 @@ def test_a_save_whose_later_batches_evict_its_earlier_ones_says_which_pages_stay
     monkeypatch.setattr(store, "contains_many", lambda keys: asked.extend(keys) or real_contains(keys))
     ok = transfer.save(store, items)
     monkeypatch.undo()
-    assert len(transfer.batches(items)) == 6
-    assert ok == store.contains_many([p.key for p in items]) and 0 < ok.count(True) <= 6
+    _says_exactly_the_pages_stored(transfer, store, items, ok, source)
     assert evicted & {p.key for p in items} and set(asked) <= evicted
-    before = HostTransfer(source.cpu())
-    kept = [p for p, there in zip(items, ok) if there]
-    assert all(bytes(store.get(p.key)) == before.gather(p.group, p.block).tobytes() for p in kept)
 
 
 @pytest.mark.parametrize("device,use_triton", PATHS)
@@ -462,11 +468,7 @@ def test_a_save_through_host_staging_says_true_only_for_pages_still_stored(devic
     transfer = _transfer(source.to(device), use_triton, staging_bytes=3 * paged.used_bytes_per_block)
     store = MemoryStore(6 * 8192, pinned=False, chunk_bytes=8192)  # 6 slots of 8 KiB (a page: 7000 bytes)
     items = [Page(f"k{b}".encode(), paged, b, b) for b in range(12)]
-    ok = transfer.save(store, items)
-    assert ok == store.contains_many([p.key for p in items]) and 0 < ok.count(True) <= 6
-    host = HostTransfer(source)
-    kept = [p for p, there in zip(items, ok) if there]
-    assert all(bytes(store.get(p.key)) == host.gather(p.group, p.block).tobytes() for p in kept)
+    _says_exactly_the_pages_stored(transfer, store, items, transfer.save(store, items), source)
 
 
 def test_pages_a_tier_cannot_vouch_for_are_looked_up_again():

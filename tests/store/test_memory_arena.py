@@ -470,7 +470,7 @@ def test_a_held_batch_says_each_values_address_and_room_across_many_chunks(batch
                 assert address == lease.view.ctypes.data and size == lease.view.nbytes
                 slot = store._index[key][0]
                 chunk = store._arena.chunks[slot >> SHIFT]
-                ends_chunk = slot & SLOT_MASK == chunk.size // chunk.slot_bytes - 1  # no copy runs on past it
+                ends_chunk = (slot & SLOT_MASK) == chunk.size // chunk.slot_bytes - 1  # no copy runs on past it
                 assert room == (0 if ends_chunk else -(-size // PAGE) * PAGE)
                 assert lease.view.tobytes() == values[key]
         finally:

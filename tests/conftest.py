@@ -7,7 +7,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Tests mirror the packages (tests/store/, tests/connectors/, tests/vllm/, ...); their helpers are the
 # `support` package (`from support import vllm_harness`) and this module (`from conftest import ...`),
-# both found through tests/ on the path.
+# both found through tests/ on the path. There tests/vllm/ reads as a namespace package `vllm` where vLLM
+# is not installed, so the tests that need vLLM skip on `vllm.distributed`, not on `vllm`.
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 

@@ -200,7 +200,7 @@ class DeviceTransfer:
         if not items:
             return _Columns([], np.zeros(0, np.int64), np.zeros(0, np.int64), (), np.zeros(0, np.int64))
         keys, group_of, _, block_of = zip(*items)  # Page: (key, group, index, block)
-        blocks = np.fromiter(block_of, np.int64, len(items))
+        blocks = np.array(block_of, dtype=np.int64)
         first = group_of[0]  # one group: counted by identity (a count meeting other groups compares them)
         if group_of[-1] is first and group_of.count(first) == len(items):  # no dict per page
             groups = [first]
@@ -383,7 +383,7 @@ class DeviceTransfer:
                 written += store.put_many([(item.key, view) for item, view in zip(batch, views)])
                 batches += 1
             if batches > 1 and any(written):  # a later batch may have evicted an earlier one's pages
-                written = self._kept(store, list(columns.keys), written, [None])  # None: every written page
+                written = self._kept(store, list(columns.keys), written, None)  # None: every written page
             return self._ungrouped(written, order)
         return self._save_in_place(store, pages, after)
 
@@ -400,7 +400,7 @@ class DeviceTransfer:
         sizes, page_at, cuts = placed.sizes, placed.page_at, placed.cuts
         self._wait("save_kernel", after)
         kernels, copies = self.streams["save_kernel"], self.streams["save"]
-        keys, size_list = list(placed.keys), sizes.tolist()
+        keys = list(placed.keys)
         written: list[bool] = []
         evicted: list[Sequence[bytes] | None] = []  # what each reservation's room cost (None: not told)
         in_flight: deque[tuple[list[Reservation], torch.cuda.Event]] = deque()  # oldest first
@@ -411,18 +411,20 @@ class DeviceTransfer:
                 slot = self._slot("save", k % STAGING_SLOTS, int(page_at[end - 1] + sizes[end - 1]) - base)
                 with torch.cuda.stream(kernels):  # the gather runs while the host reserves the slots
                     self._move(placed, first, end, slot, gather=True)
-                    slot.filled.record()
+                slot.filled.record(kernels)
+                copies.wait_event(slot.filled)
                 with torch.cuda.stream(copies):
-                    copies.wait_event(slot.filled)
                     for a, b in self._parts(page_at, first, end, k):
-                        reserved.append(store.reserve(ItemColumns(keys[a:b], size_list[a:b])))
+                        reserved.append(store.reserve(ItemColumns(keys[a:b], sizes[a:b].tolist())))
                         evicted.append(reserved[-1].evicted)
                         self._copy_out(reserved[-1], sizes[a:b], page_at[a:b] - base, slot)
-                    slot.done.record()
+                slot.done.record(copies)
                 in_flight.append((reserved, slot.done))
                 reserved = []
                 if len(in_flight) == STAGING_SLOTS:  # the oldest batch: published once copied
                     written += self._publish(store, *in_flight.popleft())
+            # While the last copies run: which of the call's own keys a later batch evicted (mostly none).
+            doubt = self._evicted_own(keys, evicted) if len(cuts) > 2 else set()
         finally:
             if reserved:  # an error while copying into them: their slots go back, unwritten
                 copies.synchronize()
@@ -430,23 +432,25 @@ class DeviceTransfer:
                     store.publish(reservation, [False] * len(reservation.items))
             while in_flight:
                 written += self._publish(store, *in_flight.popleft())
-        if len(cuts) > 2 and any(written):
-            written = self._kept(store, keys, written, evicted)
+        if (doubt is None or doubt) and any(written):
+            written = self._kept(store, keys, written, doubt)
         return self._ungrouped(written, order)
 
     @staticmethod
-    def _kept(store: Store, keys: list[bytes], written: list[bool], evicted: list) -> list[bool]:
-        """`written` (per key), less the pages a later batch of the same save evicted: those among the
-        keys the reservations say they evicted (all of the written ones where a tier does not say) that
-        the store no longer holds."""
+    def _evicted_own(keys: list[bytes], evicted: list[Sequence[bytes] | None]) -> set[bytes] | None:
+        """The keys of a multi-batch save that its reservations say they evicted (a later batch took an
+        earlier one's slots); None: a reservation did not say, any key may have gone."""
         if None in evicted:
-            doubt = [i for i, ok in enumerate(written) if ok]
-        else:
-            gone = set().union(*evicted)
-            if gone.isdisjoint(keys):  # mostly: the victims were older pages (no Python per page)
-                return written
-            doubt = [i for i, ok in enumerate(written) if ok and keys[i] in gone]
-        for i, there in zip(doubt, store.contains_many([keys[i] for i in doubt]) if doubt else ()):
+            return None
+        gone = set().union(*evicted)  # type: ignore[arg-type]
+        return set() if gone.isdisjoint(keys) else gone.intersection(keys)  # mostly: older pages went
+
+    @staticmethod
+    def _kept(store: Store, keys: list[bytes], written: list[bool], doubt: set[bytes] | None) -> list[bool]:
+        """`written` (per key), less the pages the store no longer holds among those in `doubt` (None:
+        every written page), which a later batch of the same save may have evicted."""
+        at = [i for i, ok in enumerate(written) if ok and (doubt is None or keys[i] in doubt)]
+        for i, there in zip(at, store.contains_many([keys[i] for i in at]) if at else ()):
             written[i] = there
         return written
 
@@ -540,26 +544,29 @@ class DeviceTransfer:
                     for a, b in self._parts(page_at, first, end, k):
                         held.append(store.acquire_batch(keys[a:b]))
                         self._copy_in(held[-1], sizes[a:b], page_at[a:b] - base, arrived[a:b], slot)
-                    slot.filled.record()
+                slot.filled.record(copies)
+                kernels.wait_event(slot.filled)
                 with torch.cuda.stream(kernels):
-                    kernels.wait_event(slot.filled)
                     self._move(placed, first, end, slot, gather=False, keep=arrived[first:end])
-                    slot.done.record()
+                slot.done.record(kernels)
                 in_flight.append((held, slot.filled))
                 held = []
                 if len(in_flight) == STAGING_SLOTS:  # the oldest batch's slots are read: given back
-                    oldest, filled = in_flight.popleft()
-                    filled.synchronize()
-                    deque(map(store.release_batch, oldest), maxlen=0)
-            copies.synchronize()  # every copy done: the slots go back while the last scatters run
-            while in_flight:
-                deque(map(store.release_batch, in_flight.popleft()[0]), maxlen=0)
+                    self._give_back(store, *in_flight.popleft())
+            while in_flight:  # each batch as its copies end: the last one's alone follows the last copy
+                self._give_back(store, *in_flight.popleft())
             kernels.synchronize()  # scattered: compute may read the blocks
         finally:
             copies.synchronize()
             for lease in [*held, *(lease for leases, _ in in_flight for lease in leases)]:
                 store.release_batch(lease)
         return self._ungrouped(arrived, order)
+
+    @staticmethod
+    def _give_back(store: Store, leases: list[HeldBatch], filled) -> None:
+        """Release a batch's leases once its copies out of the slots are done."""
+        filled.synchronize()
+        deque(map(store.release_batch, leases), maxlen=0)
 
     @staticmethod
     def _copy_in(held: HeldBatch, sizes: np.ndarray, at: np.ndarray, arrived: np.ndarray, slot: _Slot) -> None:

@@ -35,7 +35,7 @@ class _MirrorIndex:
 
         self.capacity, self.used = capacity, 0
         self.sizes: dict[bytes, int] = {}
-        self.policy = make_policy(evict, capacity)
+        self.policy = make_policy(evict, capacity, self.sizes)
 
     def _drop(self, key: bytes) -> None:
         self.used -= self.sizes.pop(key, 0)

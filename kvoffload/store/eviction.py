@@ -10,14 +10,15 @@ with hits left goes back to the front with one less.
 
 A policy orders keys only; the arena (memory.py) owns the values and calls it under its own lock:
 `insert` when a value is indexed, `touch` on a hit, `victim` for the next entry to evict (with a test of
-whether it may go: a held slot may not), `remove` when a key leaves otherwise (delete, replace); the
-`_many` forms and `victims` serve batches of small pages in bulk (S3-FIFO's `victims` declines).
+whether it may go: a held slot may not), `remove` when a key leaves (evicted, deleted, replaced); the
+`_many` forms and `victims` serve batches of small pages in bulk (S3-FIFO's `victims` declines). LRU
+keeps its order in the caller's own dict of the keys (its insertion order), so most of these are free.
 Every call is O(1), `victim` amortised: a counter is spent once per hit."""
 
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from .errors import StoreConfigError
@@ -36,51 +37,52 @@ def policy_name(name: str, option: str) -> str:
 
 
 class LRU:
-    """Least recently used first."""
+    """Least recently used first, kept in the insertion order of the caller's own dict (`keys`: the
+    arena's index): the caller adds a key at the end (a replaced value: deleted first) and deletes keys
+    itself, victims too; a hit moves its key to the end. No structure of its own: a batch of small pages
+    pays no second insert and delete per page."""
 
-    def __init__(self, capacity: int):
-        self._order: OrderedDict[bytes, None] = OrderedDict()  # oldest first
+    def __init__(self, capacity: int, keys: dict):
+        self._order = keys  # oldest first
 
     def insert(self, key: bytes, nbytes: int) -> None:
-        self._order[key] = None
+        pass  # the caller's dict has it at the end
 
     def touch(self, key: bytes) -> None:
-        self._order.move_to_end(key)
+        self._order[key] = self._order.pop(key)
 
     def insert_many(self, keys: Sequence[bytes], sizes: Sequence[int]) -> None:
-        order = self._order
-        for key in keys:  # faster than OrderedDict.update, which is written in Python
-            order[key] = None
+        pass
 
     def touch_many(self, keys: Sequence[bytes]) -> None:
-        deque(map(self._order.move_to_end, keys), maxlen=0)
+        order = self._order
+        order.update(zip(keys, map(order.pop, keys)))
 
     def victims(self, count: int, may_go: Callable[[list[bytes]], bool]) -> list[bytes] | None:
-        """The next `count` victims at once, dropped from the order, if `may_go` says all of them may go
-        (then they are the keys `count` calls of `victim` would give); else None and nothing changes."""
+        """The next `count` victims at once, if `may_go` says all of them may go (then they are the keys
+        `count` calls of `victim` would give; they leave the order as the caller deletes them); else None."""
         keys = list(itertools.islice(self._order, count))
-        if len(keys) < count or not may_go(keys):
-            return None
-        deque(map(self._order.pop, keys), maxlen=0)
-        return keys
+        return keys if len(keys) == count and may_go(keys) else None
 
     def remove(self, key: bytes) -> None:
-        self._order.pop(key, None)
+        pass  # the caller deleted it
 
     def victim(self, evictable: Callable[[bytes], bool]) -> bytes | None:
-        """The least recently used evictable key, dropped from the order; None if none may go. A key
-        that may not go counts as in use: it moves to the recent end, so a long run of held entries
-        (values waiting for the write-behind) is stepped over once, not on every eviction."""
-        order = self._order
-        for _ in range(len(order)):
-            key = order.popitem(last=False)[0]
+        """The least recently used evictable key (the caller deletes it); None if none may go. A key that
+        may not go counts as in use: it moves to the recent end, so a long run of held entries (values
+        waiting for the write-behind) is stepped over once, not on every eviction."""
+        order, held, found = self._order, [], None
+        for key in order:
             if evictable(key):
-                return key
-            order[key] = None  # held: to the recent end
-        return None
+                found = key
+                break
+            held.append(key)
+        for key in held:
+            order[key] = order.pop(key)
+        return found
 
     def clear(self) -> None:
-        self._order.clear()
+        pass  # the caller clears its dict
 
 
 class S3FIFO:
@@ -183,7 +185,7 @@ class S3FIFO:
         self._small_bytes = self._ghost_bytes = 0
 
 
-def make_policy(name: str, capacity: int) -> LRU | S3FIFO:
-    """The policy `name` (one of POLICIES) for an arena of `capacity` bytes."""
-    policies: dict[str, type[LRU] | type[S3FIFO]] = {"lru": LRU, "s3fifo": S3FIFO}
-    return policies[name](capacity)
+def make_policy(name: str, capacity: int, keys: dict) -> LRU | S3FIFO:
+    """The policy `name` (one of POLICIES) for a cache of `capacity` bytes whose keys are those of `keys`
+    (the caller's dict: LRU keeps its recency order in it)."""
+    return LRU(capacity, keys) if name == "lru" else S3FIFO(capacity)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from operator import itemgetter
 from typing import NamedTuple, cast
@@ -101,8 +102,8 @@ class MemoryStore(Store):
         self.chunk_bytes = min(capacity, chunk_bytes or MAX_CHUNK)  # the largest chunk and value
         self._lock = threading.Lock()
         self._arena = Arena(capacity, self.chunk_bytes, self.pinned)  # the slots (under the lock)
-        self._index: dict[bytes, tuple[int, int]] = {}  # key -> (slot, nbytes)
-        self._policy = make_policy(evict, capacity)  # the order of the index's keys, for eviction
+        self._index: dict[bytes, tuple[int, int]] = {}  # key -> (slot, nbytes); LRU: oldest first
+        self._policy = make_policy(evict, capacity, self._index)  # which indexed key to evict
         self._holds: dict[int, int] = {}  # slot -> holders (readers, leases)
         self._orphans: set[int] = set()  # held slots whose key left the index: freed at the last release
         self._leases: dict[int, int] = {}  # lease id -> slot
@@ -171,23 +172,21 @@ class MemoryStore(Store):
         short = len(keys) - len(slots)
         chunks = self._arena.chunks
 
-        gone: list[tuple[int, int]] = []  # the victims' index entries, taken out by may_go
+        gone: list[tuple[int, int]] = []  # the victims' index entries
         taken: list[int] = []  # their slots
 
         def may_go(victims: list[bytes]) -> bool:  # unheld, and slots of this class: handed on as they are
-            gone[:] = map(self._index.pop, victims)  # one lookup each: put back below if they may not go
+            gone[:] = map(self._index.__getitem__, victims)
             taken[:] = map(itemgetter(0), gone)
             lo, hi = min(taken) >> SHIFT, max(taken) >> SHIFT  # mostly a few adjacent chunks: no set of ids
             of_class = hi - lo <= 8 and all(c in chunks and chunks[c].slot_bytes == cls for c in range(lo, hi + 1))
             if not of_class:  # many chunks, or another class's between them: the victims' own chunks
                 of_class = all(chunks[c].slot_bytes == cls for c in {slot >> SHIFT for slot in taken})
-            if of_class and (not self._holds or self._holds.keys().isdisjoint(taken)):
-                return True
-            self._index.update(zip(victims, gone))
-            return False
+            return of_class and (not self._holds or self._holds.keys().isdisjoint(taken))
 
         victims = (self._policy.victims(short, may_go) if short else None) or []
         if victims:
+            deque(map(self._index.pop, victims), maxlen=0)  # out of the LRU order too (eviction.py)
             freed = list(map(itemgetter(1), gone))
             slots += taken
             self._used -= sum(freed)

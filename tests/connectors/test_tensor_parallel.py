@@ -69,7 +69,7 @@ def _check_store_once_per_tp_group(store, layouts, keys, tp):
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_vllm_glm_stack_stores_replicated_groups_once_per_tp_group(tmp_path, tp):
-    pytest.importorskip("vllm")
+    pytest.importorskip("vllm.distributed")
     from support import vllm_layouts
 
     from kvoffload.connectors.vllm_messages import KVOffloadMetadata, LoadJob, SaveJob

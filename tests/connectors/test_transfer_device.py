@@ -478,10 +478,15 @@ def test_pages_a_tier_cannot_vouch_for_are_looked_up_again():
     keys = [f"k{b}".encode() for b in range(4)]
     assert all(store.put_many([(key, b"x") for key in keys[:3]]))
     written = [True, True, False, True]
-    assert DeviceTransfer._kept(store, keys, list(written), [[], None]) == [True, True, False, False]
-    assert DeviceTransfer._kept(store, keys, list(written), [[], []]) == written  # nothing evicted: no lookup
-    assert DeviceTransfer._kept(store, keys, list(written), [[keys[3]]]) == [True, True, False, False]
-    assert DeviceTransfer._kept(store, keys, list(written), [[keys[0]]]) == written  # evicted, written again
+
+    def kept(evicted):
+        doubt = DeviceTransfer._evicted_own(keys, evicted)
+        return DeviceTransfer._kept(store, keys, list(written), doubt) if doubt is None or doubt else written
+
+    assert kept([[], None]) == [True, True, False, False]
+    assert DeviceTransfer._evicted_own(keys, [[], [b"older"]]) == set()  # nothing of its own: no lookup
+    assert kept([[keys[3]]]) == [True, True, False, False]
+    assert kept([[keys[0]]]) == written  # evicted, written again
 
 
 @pytest.mark.skipif(not GPU, reason="the in-place arena paths run on a GPU only")

@@ -6,7 +6,7 @@ from itertools import combinations
 
 import pytest
 
-pytest.importorskip("vllm", reason="the layout adapter tests need vLLM (installed by `make test`)")
+pytest.importorskip("vllm.distributed", reason="the layout adapter tests need vLLM (installed by `make test`)")
 import torch  # noqa: E402
 
 from support import vllm_layouts  # noqa: E402

@@ -41,6 +41,7 @@ def audit(store: MemoryStore) -> None:
         assert n <= store._arena.chunks[slot >> 32].slot_bytes
     policy = store._policy  # the eviction policy orders exactly the indexed keys
     tracked = policy._order if store.evict == "lru" else {**policy._small, **policy._main}
+    assert store.evict == "s3fifo" or policy._order is store._index  # LRU: the index's own order
     assert set(tracked) == set(store._index)
     if store.evict == "s3fifo":
         assert set(policy._freq) == set(store._index) and policy._small_bytes == sum(policy._small.values())

@@ -8,7 +8,7 @@ import textwrap
 import lmdb
 import pytest
 
-pytest.importorskip("vllm", reason="the connector tests need vLLM (installed by `make test`)")
+pytest.importorskip("vllm.distributed", reason="the connector tests need vLLM (installed by `make test`)")
 
 from support import vllm_harness as vh  # noqa: E402
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-pytest.importorskip("vllm")
+pytest.importorskip("vllm.distributed")
 
 from test_vllm_scheduler_glm import BLOCK, _Engine, _glm_vllm_config, _prompt  # noqa: E402
 

@@ -27,7 +27,7 @@ import pytest
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("the GPU engine tests need CUDA", allow_module_level=True)
-pytest.importorskip("vllm", reason="the GPU engine tests need vLLM's CUDA build")
+pytest.importorskip("vllm.distributed", reason="the GPU engine tests need vLLM's CUDA build")
 
 from support import vllm_harness as vh  # noqa: E402
 from test_vllm_connector import _flip_every_stored_page, connector  # noqa: E402

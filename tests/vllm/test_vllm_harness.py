@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-pytest.importorskip("vllm", reason="the vLLM harness tests need vLLM (installed by `make test`)")
+pytest.importorskip("vllm.distributed", reason="the vLLM harness tests need vLLM (installed by `make test`)")
 
 from support import vllm_harness as vh  # noqa: E402
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-pytest.importorskip("vllm", reason="the metrics classes subclass vLLM's")
+pytest.importorskip("vllm.distributed", reason="the metrics classes subclass vLLM's")
 
 from kvoffload.connectors.vllm_metrics import KVOffloadStats  # noqa: E402
 

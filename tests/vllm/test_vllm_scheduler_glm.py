@@ -44,7 +44,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-pytest.importorskip("vllm")
+pytest.importorskip("vllm.distributed")
 
 from support import vllm_layouts  # noqa: E402  (tests/ is on sys.path: conftest.py)
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-pytest.importorskip("vllm")
+pytest.importorskip("vllm.distributed")
 
 from kvoffload.connectors.vllm_scheduler import _Scheduler  # noqa: E402
 from kvoffload.spec import GroupKind, KeyChain  # noqa: E402

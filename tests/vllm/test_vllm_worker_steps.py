@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("vllm")
+pytest.importorskip("vllm.distributed")
 
 from support import vllm_layouts  # noqa: E402
 

@@ -490,6 +490,43 @@ def test_pages_a_tier_cannot_vouch_for_are_looked_up_again():
 
 
 @pytest.mark.skipif(not GPU, reason="the in-place arena paths run on a GPU only")
+def test_a_long_call_is_grouped_and_placed_a_segment_at_a_time(monkeypatch):
+    """A call of more than two batches' worth of pages makes its first batch's worth of columns first:
+    both segments are grouped on their own, every page is stored and restored byte for byte, and the
+    outcomes come back in the caller's order (misses in either segment, where grouping moved them)."""
+    from kvoffload.connectors import device_transfer as dt
+    from kvoffload.store import MemoryStore
+
+    paged, state = _groups()
+    monkeypatch.setattr(dt, "BATCH_PAGES", 3)
+    source = torch.randint(0, 256, (24 * STRIDE,), dtype=torch.uint8, device="cuda")
+    transfer = _transfer(source, TRITON)
+    grouped = []
+    real_grouped = transfer._grouped
+    monkeypatch.setattr(transfer, "_grouped", lambda items: grouped.append(len(items)) or real_grouped(items))
+    store = MemoryStore(8 << 20, chunk_bytes=2 << 20)
+    items = [Page(f"k{g.name}{b}".encode(), g, b, b) for b in range(10) for g in (paged, state)]
+    assert transfer.save(store, items) == [True] * len(items)
+    assert grouped == [3, 17]
+    before = HostTransfer(source.cpu())
+    for p in items:
+        assert bytes(store.get(p.key)) == before.gather(p.group, p.block).tobytes()
+    missing = (1, 10, 19)  # the head's state page (grouped after a later paged one), two in the rest
+    for i in missing:
+        store.delete(items[i].key)
+    source[12 * STRIDE :] = 0
+    moved = [p._replace(block=p.block + 12) for p in items]
+    ok = transfer.load(store, moved)
+    assert ok == [i not in missing for i in range(len(items))]
+    assert grouped == [3, 17, 3, 17] and store.stats()["held"] == 0
+    torch.cuda.synchronize()
+    after = HostTransfer(source.cpu())
+    for i, (p, into) in enumerate(zip(items, moved)):
+        expected = before.gather(p.group, p.block) if ok[i] else np.zeros_like(before.gather(p.group, p.block))
+        assert np.array_equal(after.gather(into.group, into.block), expected)
+
+
+@pytest.mark.skipif(not GPU, reason="the in-place arena paths run on a GPU only")
 @pytest.mark.parametrize("lead_pages", [1, 3])
 def test_a_calls_first_batch_in_two_parts_moves_every_page_and_returns_both(monkeypatch, lead_pages):
     """The first batch's first LEAD_BYTES cross the link while the rest is reserved (a save) or held (a

@@ -458,9 +458,7 @@ class DeviceTransfer:
                     store.publish(reservation, [False] * len(reservation.items))
             while in_flight:
                 written += self._publish(store, *in_flight.popleft())
-        if (doubt is None or doubt) and any(written):
-            written = self._kept(store, keys, written, doubt)
-        return self._in_call_order(written, segments)
+        return self._in_call_order(self._kept(store, keys, written, doubt), segments)
 
     @staticmethod
     def _evicted_own(keys: list[bytes], evicted: list[Sequence[bytes] | None]) -> set[bytes] | None:
@@ -474,7 +472,10 @@ class DeviceTransfer:
     @staticmethod
     def _kept(store: Store, keys: list[bytes], written: list[bool], doubt: set[bytes] | None) -> list[bool]:
         """`written` (per key), less the pages the store no longer holds among those in `doubt` (None:
-        every written page), which a later batch of the same save may have evicted."""
+        every written page), which a later batch of the same save may have evicted; no lookup where
+        `doubt` is empty (mostly) or nothing was written."""
+        if doubt is not None and not doubt:
+            return written
         at = [i for i, ok in enumerate(written) if ok and (doubt is None or keys[i] in doubt)]
         for i, there in zip(at, store.contains_many([keys[i] for i in at]) if at else ()):
             written[i] = there

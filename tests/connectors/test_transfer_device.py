@@ -471,7 +471,7 @@ def test_a_save_through_host_staging_says_true_only_for_pages_still_stored(devic
     _says_exactly_the_pages_stored(transfer, store, items, transfer.save(store, items), source)
 
 
-def test_pages_a_tier_cannot_vouch_for_are_looked_up_again():
+def test_pages_a_tier_cannot_vouch_for_are_looked_up_again(monkeypatch):
     """A reservation that does not say what it evicted (None: a tiered store's) leaves every written page
     to a lookup; one that says so, only those it names."""
     store = open_store("memory://?capacity=1MiB&pinned=false")
@@ -480,11 +480,13 @@ def test_pages_a_tier_cannot_vouch_for_are_looked_up_again():
     written = [True, True, False, True]
 
     def kept(evicted):
-        doubt = DeviceTransfer._evicted_own(keys, evicted)
-        return DeviceTransfer._kept(store, keys, list(written), doubt) if doubt is None or doubt else written
+        return DeviceTransfer._kept(store, keys, list(written), DeviceTransfer._evicted_own(keys, evicted))
 
     assert kept([[], None]) == [True, True, False, False]
     assert DeviceTransfer._evicted_own(keys, [[], [b"older"]]) == set()  # nothing of its own: no lookup
+    monkeypatch.setattr(store, "contains_many", lambda keys: pytest.fail("looked up with nothing in doubt"))
+    assert kept([[], [b"older"]]) == written
+    monkeypatch.undo()
     assert kept([[keys[3]]]) == [True, True, False, False]
     assert kept([[keys[0]]]) == written  # evicted, written again
 

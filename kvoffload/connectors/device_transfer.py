@@ -257,14 +257,24 @@ class DeviceTransfer:
                 stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def _grouped(self, items: Sequence[Page]) -> tuple[Sequence[Page], _Columns, np.ndarray | None]:
-        """The items with each group's pages next to each other (in their order otherwise), their columns
-        (`_columns`) and the permutation made (None: none was needed). An arena hands out one size class's
-        slots one after another, so a save or load of interleaved groups (every group's page of a block,
-        block after block) then moves runs of adjacent slots in one copy each instead of a copy per page."""
+        """The items with each group's pages next to each other (in their order otherwise), the groups of
+        the largest pages first, their columns (`_columns`) and the permutation made (None: none was
+        needed). An arena hands out one size class's slots one after another, so a save or load of
+        interleaved groups (every group's page of a block, block after block) then moves runs of adjacent
+        slots in one copy each instead of a copy per page. Largest first: a call's first copy is then one
+        long DMA (a restore's KDA checkpoint, tens of MB, before its small MLA pages) that runs while the
+        host takes the rest of the batch, where a small first copy would leave the link idle."""
         columns = self._columns(items)
         groups, which = columns.groups, columns.which
-        if len(groups) <= 1 or np.count_nonzero(np.diff(which)) < len(groups):  # grouped already
+        if len(groups) <= 1:
             return items, columns, None
+        by_size = sorted(range(len(groups)), key=lambda g: -groups[g].used_bytes_per_block)  # stable: ties keep order
+        if by_size != list(range(len(groups))):
+            rank = np.empty(len(groups), dtype=np.int64)
+            rank[by_size] = np.arange(len(groups))
+            groups, which = [groups[g] for g in by_size], rank[which]
+        if not (np.diff(which) < 0).any():  # grouped already, in that order
+            return items, columns._replace(groups=groups, which=which), None
         order = np.argsort(which, kind="stable")
         at = order.tolist()
         keys = [columns.keys[i] for i in at]

@@ -419,6 +419,34 @@ def test_interleaved_groups_move_in_runs_and_answer_in_the_callers_order(monkeyp
             assert not after.gather(into.group, into.block).any()
 
 
+def test_a_calls_largest_pages_move_first_and_outcomes_keep_the_callers_order():
+    """Pages of several sizes, a block's small page before its large one (a restore's MLA pages before its
+    KDA checkpoint): grouped with the largest pages first, so the call's first copy is a long one; the
+    outcomes come back in the caller's order. Pages already in that order are not permuted."""
+    small = CacheGroup(0, "g", GroupKind.PAGED, 16, (Region(0, 0, 1024, STRIDE, ("a",), 1000, 1024, "uint8"),))
+    large = CacheGroup(1, "big", GroupKind.STATE, 16, (Region(0, 4096, 4096, STRIDE, ("b", "c"), 4096, 4096, "uint8"),))
+    assert large.used_bytes_per_block > small.used_bytes_per_block
+    source = torch.randint(0, 256, (8 * STRIDE,), dtype=torch.uint8)
+    transfer = _transfer(source, False)
+    items = [Page(f"k{g.name}{b}".encode(), g, b, b) for b in range(4) for g in (small, large)]
+    grouped, columns, order = transfer._grouped(items)
+    assert [p.group.name for p in grouped] == ["big"] * 4 + ["g"] * 4
+    assert [p.block for p in grouped] == [0, 1, 2, 3] * 2  # each group's pages in the caller's order
+    assert columns.groups == [large, small] and list(columns.keys) == [p.key for p in grouped]
+    assert columns.which.tolist() == [0] * 4 + [1] * 4
+    assert columns.sizes.tolist() == [large.used_bytes_per_block] * 4 + [small.used_bytes_per_block] * 4
+    done = [p.group is small for p in grouped]  # per grouped page: back in the caller's order
+    assert transfer._ungrouped(done, order) == [p.group is small for p in items]
+    first_batch, _ = next(iter(transfer.pack(items)))
+    assert first_batch[0].group is large
+    again, columns, order = transfer._grouped(grouped)
+    assert order is None and list(again) == list(grouped) and columns.groups == [large, small]
+    store = open_store("memory://?capacity=1048576")
+    assert transfer.save(store, items) == [True] * len(items)
+    host = HostTransfer(source)
+    assert all(bytes(store.get(p.key)) == host.gather(p.group, p.block).tobytes() for p in items)
+
+
 def _says_exactly_the_pages_stored(transfer, store, items, ok, source) -> None:
     """A save of 12 pages in 6 batches into a 6-slot store: True for exactly the pages it still holds (some,
     at most 6), each byte for byte the block it was saved from."""

@@ -20,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
+from operator import itemgetter
 from typing import NamedTuple, TypeVar
 
 import numpy as np
@@ -150,8 +151,8 @@ class DeviceTransfer:
                 # The arena paths wrap host memory by address: the first wrap pays for numpy's set-up.
                 slot.device[:1].copy_(host_tensor(slot.host.data_ptr(), 1), non_blocking=True)
             # The host's planning of a batch (a page of each group): numpy's first calls cost ~0.1 ms each.
-            items, columns, _ = self._grouped([Page(b"", g, 0, 0) for g in groups])
-            self._group_runs(self._place(items, columns).which, groups)
+            columns, _ = self._grouped([Page(b"", g, 0, 0) for g in groups])
+            self._group_runs(self._place(columns).which, columns.groups)
             runs(np.ones(1, np.int64), np.ones(1, np.int64), np.zeros(1, np.int64))
             torch.cuda.synchronize(self.device)
         self.warm_up_s = time.perf_counter() - started
@@ -160,7 +161,7 @@ class DeviceTransfer:
     # -- batches and staging -------------------------------------------------------------------------
     def batches(self, items: Sequence[Page]) -> list[Sequence[Page]]:
         """Consecutive runs of items whose pages fit one staging slot (a larger page goes alone)."""
-        cuts = self._place(items).cuts
+        cuts = self._place(self._columns(items)).cuts
         return [items[a:b] for a, b in zip(cuts, cuts[1:])]
 
     def _cuts(self, sizes: np.ndarray) -> list[int]:
@@ -256,30 +257,34 @@ class DeviceTransfer:
             else:
                 stream.wait_stream(torch.cuda.current_stream(self.device))
 
-    def _grouped(self, items: Sequence[Page]) -> tuple[Sequence[Page], _Columns, np.ndarray | None]:
-        """The items with each group's pages next to each other (in their order otherwise), the groups of
-        the largest pages first, their columns (`_columns`) and the permutation made (None: none was
-        needed). An arena hands out one size class's slots one after another, so a save or load of
-        interleaved groups (every group's page of a block, block after block) then moves runs of adjacent
-        slots in one copy each instead of a copy per page. Largest first: a call's first copy is then one
-        long DMA (a restore's KDA checkpoint, tens of MB, before its small MLA pages) that runs while the
-        host takes the rest of the batch, where a small first copy would leave the link idle."""
+    def _grouped(self, items: Sequence[Page]) -> tuple[_Columns, np.ndarray | None]:
+        """The items' columns (`_columns`) with each group's pages next to each other (in their order
+        otherwise), the groups of the largest pages first, and the permutation made (None: none was
+        needed; `_permuted` applies it to the items, which only a host-staging save needs). An arena hands
+        out one size class's slots one after another, so a save or load of interleaved groups (every
+        group's page of a block, block after block) then moves runs of adjacent slots in one copy each
+        instead of a copy per page. Largest first: a call's first copy is then one long DMA (a restore's
+        KDA checkpoint, tens of MB, before its small MLA pages) that runs while the host takes the rest
+        of the batch, where a small first copy would leave the link idle."""
         columns = self._columns(items)
         groups, which = columns.groups, columns.which
         if len(groups) <= 1:
-            return items, columns, None
+            return columns, None
         by_size = sorted(range(len(groups)), key=lambda g: -groups[g].used_bytes_per_block)  # stable: ties keep order
         if by_size != list(range(len(groups))):
             rank = np.empty(len(groups), dtype=np.int64)
             rank[by_size] = np.arange(len(groups))
             groups, which = [groups[g] for g in by_size], rank[which]
         if not (np.diff(which) < 0).any():  # grouped already, in that order
-            return items, columns._replace(groups=groups, which=which), None
+            return columns._replace(groups=groups, which=which), None
         order = np.argsort(which, kind="stable")
-        at = order.tolist()
-        keys = [columns.keys[i] for i in at]
-        grouped = _Columns(groups, which[order], columns.sizes[order], keys, columns.blocks[order])
-        return [items[i] for i in at], grouped, order
+        keys = list(itemgetter(*order.tolist())(columns.keys))  # >= 2 keys: a tuple
+        return _Columns(groups, which[order], columns.sizes[order], keys, columns.blocks[order]), order
+
+    @staticmethod
+    def _permuted(items: Sequence[Page], order: np.ndarray | None) -> Sequence[Page]:
+        """The items in the order `_grouped` made (as they are where it made none)."""
+        return items if order is None else [items[i] for i in order.tolist()]
 
     @staticmethod
     def _ungrouped(done: Sequence[bool] | np.ndarray, order: np.ndarray | None) -> list[bool]:
@@ -290,10 +295,11 @@ class DeviceTransfer:
         back[order] = done
         return back.tolist()
 
-    def _place(self, items: Sequence[Page], columns: _Columns | None = None) -> _Placed:
-        """Where each page goes in staging, and the batch cuts (`_Placed`). Offsets are multiples of the
-        arena's slot size, so pages in adjacent slots are adjacent in staging too: one DMA for both."""
-        groups, which, sizes, keys, blocks = columns or self._columns(items)
+    def _place(self, columns: _Columns) -> _Placed:
+        """Where each of the columns' pages goes in staging, and the batch cuts (`_Placed`). Offsets are
+        multiples of the arena's slot size, so pages in adjacent slots are adjacent in staging too: one DMA
+        for both."""
+        groups, which, sizes, keys, blocks = columns
         spaced = -(-sizes // SLOT_ALIGN) * SLOT_ALIGN
         page_at = np.cumsum(spaced) - spaced
         return _Placed(groups, which, sizes, keys, blocks, page_at, self._cuts(spaced))
@@ -330,8 +336,8 @@ class DeviceTransfer:
     def pack(self, items: Sequence[Page], after=None) -> Iterator[tuple[Sequence[Page], list[np.ndarray]]]:
         """Yield (batch, a pinned host view of each page) batch by batch, each group's pages together (the
         batch names them); valid until the next batch."""
-        items, columns, _ = self._grouped(items)
-        for batch, slot, offsets in self._staged(items, self._place(items, columns), after):
+        columns, order = self._grouped(items)
+        for batch, slot, offsets in self._staged(self._permuted(items, order), self._place(columns), after):
             yield batch, [slot.host_bytes[o : o + item.group.used_bytes_per_block] for item, o in zip(batch, offsets)]
 
     # -- host -> device ------------------------------------------------------------------------------
@@ -341,7 +347,7 @@ class DeviceTransfer:
         """`fill(host staging, page offsets)` writes the batch's pages into pinned staging and says which
         arrived; those are copied to the device and scattered into their blocks. Compute queued after
         this call waits for them; the host does not."""
-        return self._unpack(self._place(batch), 0, len(batch), fill, index, after) if batch else []
+        return self._unpack(self._place(self._columns(batch)), 0, len(batch), fill, index, after) if batch else []
 
     def _unpack(self, placed: _Placed, first: int, end: int, fill, index: int, after) -> list[bool]:
         """`unpack` of the placed pages [first, end) (one batch) through load staging slot `index`."""
@@ -386,7 +392,8 @@ class DeviceTransfer:
         store) each page is copied by DMA from device staging straight into its slot; other stores
         take pinned host staging."""
         if not (store.in_place and self.gpu):
-            items, columns, order = self._grouped(pages)
+            columns, order = self._grouped(pages)
+            items = self._permuted(pages, order)
             written: list[bool] = []
             batches = 0
             for batch, views in self.pack(items, after):
@@ -405,8 +412,8 @@ class DeviceTransfer:
         head = BATCH_PAGES if len(pages) > 2 * BATCH_PAGES else len(pages)
         for part in (pages[:head], pages[head:]):
             if part:
-                grouped, columns, order = self._grouped(part)
-                yield self._place(grouped, columns), order
+                columns, order = self._grouped(part)
+                yield self._place(columns), order
 
     def _in_call_order(self, done: Sequence[bool] | np.ndarray, segments: list) -> list[bool]:
         """Per-page outcomes of the segments (`_segments`: their lengths and permutations) back in the
@@ -525,8 +532,8 @@ class DeviceTransfer:
         without, compute queued after this call waits for them and the host does not."""
         if store.in_place and self.gpu:
             return self._load_in_place(store, pages, after)
-        pages, columns, order = self._grouped(pages)
-        placed = self._place(pages, columns)
+        columns, order = self._grouped(pages)
+        placed = self._place(columns)
         keys, cuts = placed.keys, placed.cuts
         if len(cuts) > 2:  # a disk tier reads the later batches while the first ones move
             store.advise(keys)

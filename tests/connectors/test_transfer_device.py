@@ -429,7 +429,8 @@ def test_a_calls_largest_pages_move_first_and_outcomes_keep_the_callers_order():
     source = torch.randint(0, 256, (8 * STRIDE,), dtype=torch.uint8)
     transfer = _transfer(source, False)
     items = [Page(f"k{g.name}{b}".encode(), g, b, b) for b in range(4) for g in (small, large)]
-    grouped, columns, order = transfer._grouped(items)
+    columns, order = transfer._grouped(items)
+    grouped = transfer._permuted(items, order)
     assert [p.group.name for p in grouped] == ["big"] * 4 + ["g"] * 4
     assert [p.block for p in grouped] == [0, 1, 2, 3] * 2  # each group's pages in the caller's order
     assert columns.groups == [large, small] and list(columns.keys) == [p.key for p in grouped]
@@ -439,8 +440,8 @@ def test_a_calls_largest_pages_move_first_and_outcomes_keep_the_callers_order():
     assert transfer._ungrouped(done, order) == [p.group is small for p in items]
     first_batch, _ = next(iter(transfer.pack(items)))
     assert first_batch[0].group is large
-    again, columns, order = transfer._grouped(grouped)
-    assert order is None and list(again) == list(grouped) and columns.groups == [large, small]
+    columns, order = transfer._grouped(grouped)
+    assert order is None and transfer._permuted(grouped, order) is grouped and columns.groups == [large, small]
     store = open_store("memory://?capacity=1048576")
     assert transfer.save(store, items) == [True] * len(items)
     host = HostTransfer(source)

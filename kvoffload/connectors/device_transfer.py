@@ -415,13 +415,14 @@ class DeviceTransfer:
                 columns, order = self._grouped(part)
                 yield self._place(columns), order
 
-    def _in_call_order(self, done: Sequence[bool] | np.ndarray, segments: list) -> list[bool]:
+    @staticmethod
+    def _in_call_order(done: Sequence[bool] | np.ndarray, segments: list) -> list[bool]:
         """Per-page outcomes of the segments (`_segments`: their lengths and permutations) back in the
         caller's order."""
         out: list[bool] = []
         at = 0
         for count, order in segments:
-            out += self._ungrouped(done[at : at + count], order)
+            out += DeviceTransfer._ungrouped(done[at : at + count], order)
             at += count
         return out
 

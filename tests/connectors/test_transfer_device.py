@@ -440,6 +440,10 @@ def test_a_calls_largest_pages_move_first_and_outcomes_keep_the_callers_order():
     assert transfer._ungrouped(done, order) == [p.group is small for p in items]
     first_batch, _ = next(iter(transfer.pack(items)))
     assert first_batch[0].group is large
+    # a long call's segments, each grouped on its own: every segment's outcomes back in the caller's order
+    segments = [(len(items), order), (2, np.array([1, 0])), (1, None)]
+    assert DeviceTransfer._in_call_order([*done, True, False, True], segments) == [
+        *(p.group is small for p in items), False, True, True]
     columns, order = transfer._grouped(grouped)
     assert order is None and transfer._permuted(grouped, order) is grouped and columns.groups == [large, small]
     store = open_store("memory://?capacity=1048576")

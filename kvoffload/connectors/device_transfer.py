@@ -337,7 +337,13 @@ class DeviceTransfer:
         """Yield (batch, a pinned host view of each page) batch by batch, each group's pages together (the
         batch names them); valid until the next batch."""
         columns, order = self._grouped(items)
-        for batch, slot, offsets in self._staged(self._permuted(items, order), self._place(columns), after):
+        return self._packed(self._permuted(items, order), columns, after)
+
+    def _packed(
+        self, items: Sequence[Page], columns: _Columns, after
+    ) -> Iterator[tuple[Sequence[Page], list[np.ndarray]]]:
+        """`pack` of items grouped already (`_grouped`'s columns of them, `_permuted`)."""
+        for batch, slot, offsets in self._staged(items, self._place(columns), after):
             yield batch, [slot.host_bytes[o : o + item.group.used_bytes_per_block] for item, o in zip(batch, offsets)]
 
     # -- host -> device ------------------------------------------------------------------------------
@@ -396,7 +402,7 @@ class DeviceTransfer:
             items = self._permuted(pages, order)
             written: list[bool] = []
             batches = 0
-            for batch, views in self.pack(items, after):
+            for batch, views in self._packed(items, columns, after):  # grouped once
                 written += store.put_many([(item.key, view) for item, view in zip(batch, views)])
                 batches += 1
             if batches > 1 and any(written):  # a later batch may have evicted an earlier one's pages

@@ -143,3 +143,39 @@ def test_the_observer_sees_a_saved_page_as_the_save_reads_it_after_the_fence():
     assert written == pages
     for page in pages:
         assert bytes(store.get(page.key)) == seen[page.key] == b"\xa5" * page.group.used_bytes_per_block
+
+
+def test_construction_rehearses_a_restore_that_leaves_no_trace(caplog):
+    """The offloader runs a restore's host path twice at construction (a process's first restore then runs
+    no code for the first time), on keys no store holds, through its own transfer into a private store:
+    the cache, the engine's store and the counters are untouched. A rehearsal that fails is logged and
+    the offloader works."""
+    cache = PagedCache(preset("tiny"), BLOCK, 64)
+    cache.buffer.view(torch.uint8).random_(0, 256)
+    before = cache.buffer.clone()
+    store = open_store("memory://?capacity=64MiB&pinned=false")
+    calls = []
+
+    class Spy(HostTransfer):
+        def load(self, into, pages, after=None):
+            calls.append((into, len(pages)))
+            return super().load(into, pages, after)
+
+    offloader = Offloader(store, cache.layout, Spy(cache.buffer))
+    layout = cache.layout
+    blocks = 2 * layout.hit_alignment // layout.block_size
+    paged = sum(g.kind.name == "PAGED" for g in layout.cacheable_groups)
+    state = len(layout.cacheable_groups) - paged
+    assert [n for _, n in calls] == [blocks * paged + state] * 2 and all(into is not store for into, _ in calls)
+    assert torch.equal(cache.buffer, before) and not offloader.counters and offloader.warm_up_s > 0
+    stats = store.stats()
+    assert (stats["hits"], stats["misses"], stats["puts"], stats["entries"]) == (0, 0, 0, 0)
+
+    class Broken(HostTransfer):
+        def load(self, into, pages, after=None):
+            raise RuntimeError("no copy engine")
+
+    broken = Offloader(store, cache.layout, Broken(cache.buffer))
+    assert "restore rehearsal failed (no copy engine)" in caplog.text
+    keys = _keys("r", 2)
+    assert broken.save(keys, 2, [1], list(range(2))) > 0 and offloader.load(keys, 0, 2, [40, 41]).ok

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..spec import CacheLayout, page_key
+from ..spec import CacheLayout
 from ..store import MemoryStore, Store
 from ..store.url import redact_url
 from .plan import BlockTable, Page, hit_blocks, pages_for_load, pages_for_save
@@ -90,7 +90,7 @@ class Offloader:
         sets up its first calls: on the H100/H200 hosts a first restore's host lead cost ~0.3 ms more
         than the second's. A failure here is logged; the first restore then pays that set-up."""
         blocks = 2 * (self.layout.hit_alignment // self.layout.block_size)
-        keys = [page_key(b"kvoffload rehearsal", str(i)) for i in range(blocks)]  # in no store
+        keys = [b"kvoffload rehearsal %d" % i for i in range(blocks)]  # block keys of no request: pages in no store
         scratch = MemoryStore(1 << 20, pinned=False, reserve=False)  # never holds a value
         try:
             for _ in range(2):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from operator import itemgetter
 from typing import NamedTuple, TypeVar
 
@@ -75,6 +75,26 @@ class _Slot:
     def wait(self) -> None:
         if self.event is not None:
             self.event.synchronize()
+
+
+@contextmanager
+def on_stream(stream: torch.cuda.Stream) -> Iterator[None]:
+    """Queue work on `stream`, as `torch.cuda.stream(stream)` does without its two lookups of the current
+    device per use (each through `torch.cuda.is_available`: an environment read and a device count). A
+    2,048-page save switches streams eight times; on an H100 host an MLA-only save and load went from 0.702
+    / 0.766 to 0.706 / 0.782 of a raw copy (medians of six, interleaved). Another device current (a
+    multi-GPU process) takes torch's own context, which switches devices too."""
+    index = stream.device_index
+    if torch.cuda.current_device() != index:
+        with torch.cuda.stream(stream):
+            yield
+        return
+    previous = torch.cuda.current_stream(index)
+    torch.cuda.set_stream(stream)
+    try:
+        yield
+    finally:
+        torch.cuda.set_stream(previous)
 
 
 def _gpu_only(part: _T | None) -> _T:
@@ -191,7 +211,7 @@ class DeviceTransfer:
         stream = self.streams[direction]
         if wait:
             stream.wait_stream(torch.cuda.current_stream(self.device))
-        return torch.cuda.stream(stream)
+        return on_stream(stream)
 
     @staticmethod
     def _columns(items: Sequence[Page]) -> _Columns:
@@ -458,11 +478,11 @@ class DeviceTransfer:
                 for first, end in zip(cuts, cuts[1:]):
                     base = int(page_at[first])
                     slot = self._slot("save", k % STAGING_SLOTS, int(page_at[end - 1] + sizes[end - 1]) - base)
-                    with torch.cuda.stream(kernels):  # the gather runs while the host reserves the slots
+                    with on_stream(kernels):  # the gather runs while the host reserves the slots
                         self._move(placed, first, end, slot, gather=True)
                     slot.filled.record(kernels)
                     copies.wait_event(slot.filled)
-                    with torch.cuda.stream(copies):
+                    with on_stream(copies):
                         for a, b in self._parts(page_at, first, end, k):
                             reserved.append(store.reserve(ItemColumns(own[a:b], sizes[a:b].tolist())))
                             evicted.append(reserved[-1].evicted)
@@ -593,13 +613,13 @@ class DeviceTransfer:
                 for first, end in zip(cuts, cuts[1:]):
                     base = int(page_at[first])
                     slot = self._slot("load", k % STAGING_SLOTS, int(page_at[end - 1] + sizes[end - 1]) - base)
-                    with torch.cuda.stream(copies):
+                    with on_stream(copies):
                         for a, b in self._parts(page_at, first, end, k):
                             held.append(store.acquire_batch(keys[a:b]))
                             self._copy_in(held[-1], sizes[a:b], page_at[a:b] - base, here[a:b], slot)
                     slot.filled.record(copies)
                     kernels.wait_event(slot.filled)
-                    with torch.cuda.stream(kernels):
+                    with on_stream(kernels):
                         self._move(placed, first, end, slot, gather=False, keep=here[first:end])
                     slot.done.record(kernels)
                     in_flight.append((held, slot.filled))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvoffload import open_store
-from kvoffload.connectors.device_transfer import STAGING_SLOTS, DeviceTransfer
+from kvoffload.connectors.device_transfer import STAGING_SLOTS, DeviceTransfer, on_stream
 from kvoffload.connectors.plan import Page
 from kvoffload.connectors.span_copy import PageCopier, word_size
 from kvoffload.connectors.transfer import HostTransfer, Transfer, make_transfer
@@ -164,6 +164,25 @@ def test_both_transfers_are_a_transfer():
     assert host.gpu is False and device.gpu is False
     assert host.fence() is None and device.fence() is None
     assert not isinstance(object(), Transfer)
+
+
+@pytest.mark.skipif(not GPU, reason="streams exist on a GPU only")
+def test_on_stream_queues_on_the_stream_and_gives_the_previous_one_back_after_an_error():
+    torch.cuda.synchronize()
+    before = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    with on_stream(side):
+        assert torch.cuda.current_stream() == side
+        torch.cuda._sleep(50_000_000)  # queued on `side`: the compute stream stays free
+        marker = torch.cuda.Event()
+        marker.record()
+    assert torch.cuda.current_stream() == before
+    assert not side.query() and before.query()  # the sleep ran on `side`, not on the compute stream
+    marker.synchronize()
+    with pytest.raises(RuntimeError, match="inside"):
+        with on_stream(side):
+            raise RuntimeError("inside")
+    assert torch.cuda.current_stream() == before
 
 
 @pytest.mark.skipif(not GPU, reason="stream ordering needs a GPU")

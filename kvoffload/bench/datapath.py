@@ -229,6 +229,7 @@ def _tiered(cache, kinds, half: int, device, repeats: int, tmp: str) -> dict:
     waits, drains, raw_writes, raw_reads = [], [], [], []
     loads: list[float] = []
     lmdb_loads: list[float] = []
+    plain_reads: list[float] = []
     for rep in range(repeats):
         fresh = pages_of(cache.layout, range(half), kinds, f"t{rep}/")
         _sync(device)
@@ -251,6 +252,7 @@ def _tiered(cache, kinds, half: int, device, repeats: int, tmp: str) -> dict:
             timings.append(timed_load(loader, store, into, device))
             store.close()
         raw_reads.append(_raw_read(tmp, nbytes))
+        plain_reads.append(_plain_file_load(into, tmp, device))
     gbps = lambda xs: round(nbytes / float(np.median(xs)) / 1e9, 2)  # noqa: E731
     rows: dict[str, Any] = {
         "bytes": nbytes,
@@ -260,6 +262,7 @@ def _tiered(cache, kinds, half: int, device, repeats: int, tmp: str) -> dict:
         "lmdb_only_load_GBps": gbps(loads),
         "lmdb_store_load_GBps": gbps(lmdb_loads),
         "raw_sequential_read_GBps": gbps(raw_reads),
+        "plain_file_load_GBps": gbps(plain_reads),
         "behind_written": stats.get("behind_written"),
         "behind_dropped": stats.get("behind_dropped"),
     }
@@ -267,8 +270,51 @@ def _tiered(cache, kinds, half: int, device, repeats: int, tmp: str) -> dict:
         "drain_vs_write_fsync": round(rows["drain_GBps"] / rows["raw_write_fsync_GBps"], 3),
         "lmdb_load_vs_sequential_read": round(rows["lmdb_only_load_GBps"] / rows["raw_sequential_read_GBps"], 3),
         "lmdb_store_load_vs_sequential_read": round(rows["lmdb_store_load_GBps"] / rows["raw_sequential_read_GBps"], 3),
+        "lmdb_store_load_vs_plain_file_load": round(rows["lmdb_store_load_GBps"] / rows["plain_file_load_GBps"], 3),
     }
     return rows
+
+
+def _plain_file_load(items: list, tmp: str, device) -> float:
+    """Seconds to load as many bytes as `items`' pages cold from a plain file instead of LMDB, read with
+    `pread` by READERS threads straight into pinned memory (no map, no checksum, one run per thread),
+    then one copy to the device: the plain-file read path that LMDB's map is compared with."""
+    from ..store.lmdb_reads import READERS
+
+    nbytes = _nbytes(items)
+    path = os.path.join(tmp, "plain.bin")
+    if not os.path.exists(path) or os.path.getsize(path) != nbytes:
+        _raw_write(tmp, nbytes, name="plain.bin")
+    _drop_file_cache(path)
+    gpu = device.type == "cuda"
+    target = torch.empty(nbytes, dtype=torch.uint8, pin_memory=gpu)
+    view = target.numpy()
+    into = torch.empty(nbytes, dtype=torch.uint8, device=device) if gpu else None
+    bounds = np.linspace(0, nbytes, READERS + 1).astype(np.int64)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+
+        def part(k: int) -> None:
+            at, end = int(bounds[k]), int(bounds[k + 1])
+            while at < end:
+                got = os.preadv(fd, [view[at : min(end, at + (16 << 20))].data], at)
+                if got <= 0:
+                    raise OSError(f"bench datapath: {path} ended at byte {at}")
+                at += got
+
+        _sync(device)
+        start = time.perf_counter()
+        workers = [threading.Thread(target=part, args=(k,)) for k in range(READERS)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        if into is not None:
+            into.copy_(target, non_blocking=True)
+        _sync(device)
+        return time.perf_counter() - start
+    finally:
+        os.close(fd)
 
 
 def timed_load(loader, store, items, device) -> float:
@@ -338,10 +384,10 @@ def _raw_threaded_read(path: str, nbytes: int, threads: int, repeats: int) -> fl
         os.close(fd)
 
 
-def _raw_write(tmp: str, nbytes: int, chunk: int = 64 << 20) -> float:
+def _raw_write(tmp: str, nbytes: int, chunk: int = 64 << 20, name: str = "raw.bin") -> float:
     """Write `nbytes` sequentially into a new file and fsync it: the disk's own speed for these bytes."""
     data = np.random.default_rng(0).integers(0, 256, chunk, dtype=np.uint8).tobytes()
-    path = os.path.join(tmp, "raw.bin")
+    path = os.path.join(tmp, name)
     start = time.perf_counter()
     with open(path, "wb") as f:
         left = nbytes

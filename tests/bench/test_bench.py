@@ -122,6 +122,7 @@ def test_datapath_benchmark_json(tmp_path):
     tiered = result["results"]["all_groups"]["tiered_lmdb"]
     assert tiered["behind_written"] > 0 and tiered["behind_dropped"] == 0
     assert tiered["drain_GBps"] > 0 and tiered["lmdb_only_load_GBps"] > 0 and tiered["lmdb_store_load_GBps"] > 0
+    assert tiered["plain_file_load_GBps"] > 0 and tiered["ratios"]["lmdb_store_load_vs_plain_file_load"] > 0
 
 
 @pytest.mark.slow

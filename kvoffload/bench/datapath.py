@@ -8,7 +8,9 @@ keys already stored), against baselines measured in the same run on the same byt
 - tiered memory + LMDB (write-behind): what the save keeps the engine waiting (the memory-tier save),
   the background drain to LMDB against a raw write + fsync of the same bytes to the same file system,
   and a load of a prefix that is only on LMDB (page cache dropped), through `tiered://` and through
-  `lmdb://` (the same LMDB store alone), against a raw sequential read;
+  `lmdb://` (the same LMDB store alone), against a raw sequential read and against a plain-file read
+  path (as many bytes, `pread` by as many threads as LMDB's readers into pinned memory, then one copy
+  to the device): whether LMDB's map, not the disk, is the ceiling;
 - `lmdb://` with its data in the page cache -> device, on one reader and on `READERS` reader threads,
   against a raw read of as many bytes of the same file by as many threads into pinned memory: the
   software ceiling of the disk tier, independent of this machine's disk.

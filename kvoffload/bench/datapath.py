@@ -290,33 +290,14 @@ def _plain_file_load(items: list, tmp: str, device) -> float:
     _drop_file_cache(path)
     gpu = device.type == "cuda"
     target = torch.empty(nbytes, dtype=torch.uint8, pin_memory=gpu)
-    view = target.numpy()
     into = torch.empty(nbytes, dtype=torch.uint8, device=device) if gpu else None
-    bounds = np.linspace(0, nbytes, READERS + 1).astype(np.int64)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-
-        def part(k: int) -> None:
-            at, end = int(bounds[k]), int(bounds[k + 1])
-            while at < end:
-                got = os.preadv(fd, [view[at : min(end, at + (16 << 20))].data], at)
-                if got <= 0:
-                    raise OSError(f"bench datapath: {path} ended at byte {at}")
-                at += got
-
-        _sync(device)
-        start = time.perf_counter()
-        workers = [threading.Thread(target=part, args=(k,)) for k in range(READERS)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        if into is not None:
-            into.copy_(target, non_blocking=True)
-        _sync(device)
-        return time.perf_counter() - start
-    finally:
-        os.close(fd)
+    _sync(device)
+    start = time.perf_counter()
+    _threaded_pread(path, target.numpy(), READERS, chunk=16 << 20)
+    if into is not None:
+        into.copy_(target, non_blocking=True)
+    _sync(device)
+    return time.perf_counter() - start
 
 
 def timed_load(loader, store, items, device) -> float:
@@ -362,28 +343,41 @@ def _raw_threaded_read(path: str, nbytes: int, threads: int, repeats: int) -> fl
     """Median seconds for `threads` threads to pread `nbytes` of `path` (in the page cache) into pinned memory."""
     size = min(nbytes, os.path.getsize(path))
     target = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available()).numpy()
-    bounds = np.linspace(0, size, threads + 1).astype(np.int64)
+    _threaded_pread(path, target, threads)
+    return float(np.median([_threaded_pread(path, target, threads) for _ in range(repeats)])) * nbytes / size
+
+
+def _threaded_pread(path: str, into: np.ndarray, threads: int, chunk: int = 64 << 20) -> float:
+    """Seconds for `threads` threads to `pread` the first `into.nbytes` bytes of `path` into `into`, one
+    contiguous run each."""
+    bounds = np.linspace(0, into.nbytes, threads + 1).astype(np.int64)
+    errors: list[BaseException] = []
     fd = os.open(path, os.O_RDONLY)
     try:
 
         def part(k: int) -> None:
             at, end = int(bounds[k]), int(bounds[k + 1])
-            while at < end:
-                at += os.preadv(fd, [target[at : min(end, at + (64 << 20))].data], at)  # .data: its memoryview
+            try:
+                while at < end:
+                    got = os.preadv(fd, [into[at : min(end, at + chunk)].data], at)  # .data: its memoryview
+                    if got <= 0:
+                        raise OSError(f"bench datapath: {path} ended at byte {at}")
+                    at += got
+            except OSError as exc:
+                errors.append(exc)
 
-        def once() -> float:
-            workers = [threading.Thread(target=part, args=(k,)) for k in range(threads)]
-            start = time.perf_counter()
-            for w in workers:
-                w.start()
-            for w in workers:
-                w.join()
-            return time.perf_counter() - start
-
-        once()
-        return float(np.median([once() for _ in range(repeats)])) * nbytes / size
+        workers = [threading.Thread(target=part, args=(k,)) for k in range(threads)]
+        start = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        seconds = time.perf_counter() - start
     finally:
         os.close(fd)
+    if errors:
+        raise errors[0]
+    return seconds
 
 
 def _raw_write(tmp: str, nbytes: int, chunk: int = 64 << 20, name: str = "raw.bin") -> float:

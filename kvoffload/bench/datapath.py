@@ -36,6 +36,7 @@ import torch
 from ..connectors.device_transfer import DeviceTransfer
 from ..spec import GroupKind
 from ..store import MemoryStore, TieredStore, open_store
+from ..store.lmdb_reads import READERS
 from .common import new_result
 from .transfer import _device_name, _median_gbps, _nbytes, _sync, pages_of
 
@@ -281,8 +282,6 @@ def _plain_file_load(items: list, tmp: str, device) -> float:
     """Seconds to load as many bytes as `items`' pages cold from a plain file instead of LMDB, read with
     `pread` by READERS threads straight into pinned memory (no map, no checksum, one run per thread),
     then one copy to the device: the plain-file read path that LMDB's map is compared with."""
-    from ..store.lmdb_reads import READERS
-
     nbytes = _nbytes(items)
     path = os.path.join(tmp, "plain.bin")
     if not os.path.exists(path) or os.path.getsize(path) != nbytes:
@@ -311,7 +310,6 @@ def timed_load(loader, store, items, device) -> float:
 def _lmdb_resident(cache, kinds, half: int, device, repeats: int, tmp: str) -> dict:
     """Load a prefix from `lmdb://` whose data file is in the page cache (just written), with one reader
     and with READERS threads, against a threaded raw read of the file into pinned memory."""
-    from ..store.lmdb_reads import READERS
     from ..store.lmdb_store import LMDBStore
 
     items = pages_of(cache.layout, range(half), kinds, "resident/")

@@ -50,15 +50,6 @@ BATCH_PAGES = 512
 # link while the host takes the rest (a lease or reservation of 512 small pages costs 0.15-0.4 ms, which
 # would otherwise all precede the call's first DMA).
 LEAD_BYTES = 8 << 20
-# An in-place call's batches ramp up: its first batch takes at most RAMP_BYTES, each next one 4x the
-# last, up to a staging slot (and BATCH_PAGES). The first DMA then waits for the host's work on a few
-# pages only, and each batch's DMA covers the host's work on the next, larger one.
-RAMP_BYTES = 2 << 20
-# A call of many pages is grouped and placed a segment at a time (`_segments`): the first HEAD_PAGES
-# pages, then each segment 4x the last (the last one takes the rest), so the host plans the next
-# segment while the previous one's batches cross the link.
-HEAD_PAGES = 128
-RAMP_DOWN = True  # the call's last batches ramp down the same way: little host work follows the last DMA
 
 
 class _Slot:
@@ -193,29 +184,16 @@ class DeviceTransfer:
         cuts = self._place(self._columns(items)).cuts
         return [items[a:b] for a, b in zip(cuts, cuts[1:])]
 
-    def _cuts(self, sizes: np.ndarray, ramp: bool = False, down: bool = False) -> list[int]:
+    def _cuts(self, sizes: np.ndarray) -> list[int]:
         """Where each batch starts (and, last, the end): greedily as many pages as fit the staging
-        bytes, at most `BATCH_PAGES`, at least one; with `ramp`, the first batch's bytes at most
-        RAMP_BYTES and each next batch's 4x the last's; with `down`, the last batch is cut the same way
-        from the end (its bytes RAMP_BYTES, the one before 4x that). One search per batch."""
+        bytes, at most `BATCH_PAGES`, at least one. One search per batch, not a step per page."""
         ends = np.cumsum(sizes)
         cuts = [0]
-        limit = min(RAMP_BYTES, self.staging_bytes) if ramp else self.staging_bytes
         while cuts[-1] < len(sizes):
             start = cuts[-1]
             base = int(ends[start - 1]) if start else 0
-            fits = int(np.searchsorted(ends, base + limit, side="right"))
+            fits = int(np.searchsorted(ends, base + self.staging_bytes, side="right"))
             cuts.append(max(start + 1, min(fits, start + BATCH_PAGES)))
-            limit = min(4 * limit, self.staging_bytes)
-        if down and RAMP_DOWN and len(cuts) > 1:  # the last batch, cut from its end: RAMP_BYTES, 4x that, ...
-            first, end, limit, tail = cuts[-2], len(sizes), RAMP_BYTES, []
-            base = int(ends[first - 1]) if first else 0
-            while end - first > 1 and limit < self.staging_bytes and int(ends[end - 1]) - base > limit:
-                top = int(ends[end - 1])
-                start = max(first + 1, int(np.searchsorted(ends, top - limit, side="left")) + 1, end - BATCH_PAGES)
-                tail.append(min(start, end - 1))
-                end, limit = tail[-1], 4 * limit
-            cuts[-1:-1] = tail[::-1]
         return cuts
 
     def _slot(self, direction: str, index: int, nbytes: int) -> _Slot:
@@ -337,14 +315,14 @@ class DeviceTransfer:
         back[order] = done
         return back.tolist()
 
-    def _place(self, columns: _Columns, ramp: bool = False, down: bool = False) -> _Placed:
-        """Where each of the columns' pages goes in staging, and the batch cuts (`_Placed`; `ramp`: see
-        `_cuts`). Offsets are multiples of the arena's slot size, so pages in adjacent slots are adjacent
-        in staging too: one DMA for both."""
+    def _place(self, columns: _Columns) -> _Placed:
+        """Where each of the columns' pages goes in staging, and the batch cuts (`_Placed`). Offsets are
+        multiples of the arena's slot size, so pages in adjacent slots are adjacent in staging too: one DMA
+        for both."""
         groups, which, sizes, keys, blocks = columns
         spaced = -(-sizes // SLOT_ALIGN) * SLOT_ALIGN
         page_at = np.cumsum(spaced) - spaced
-        return _Placed(groups, which, sizes, keys, blocks, page_at, self._cuts(spaced, ramp, down))
+        return _Placed(groups, which, sizes, keys, blocks, page_at, self._cuts(spaced))
 
     def _staged(self, items: Sequence[Page], placed: _Placed, after=None):
         """Yield (batch, slot, page offsets in the slot) batch by batch, the pages gathered into the slot's
@@ -457,16 +435,11 @@ class DeviceTransfer:
         grouping's permutation (None: none). A call of more than two batches' worth of pages makes its
         first batch's worth first: the first DMA waits for the columns of those pages only, and the rest's
         are made while it runs (2,048 small pages: ~0.2-0.5 ms of the host's time)."""
-        edges, size = [0], HEAD_PAGES
-        while len(pages) - edges[-1] > 2 * size:
-            edges.append(edges[-1] + size)
-            size *= 4
-        edges.append(len(pages))
-        for k, (a, b) in enumerate(zip(edges, edges[1:])):
-            if a == b:  # no pages
-                return
-            columns, order = self._grouped(pages[a:b])
-            yield self._place(columns, ramp=k == 0, down=b == len(pages)), order
+        head = BATCH_PAGES if len(pages) > 2 * BATCH_PAGES else len(pages)
+        for part in (pages[:head], pages[head:]):
+            if part:
+                columns, order = self._grouped(part)
+                yield self._place(columns), order
 
     @staticmethod
     def _in_call_order(done: Sequence[bool] | np.ndarray, segments: list) -> list[bool]:

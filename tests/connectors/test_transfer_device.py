@@ -113,32 +113,6 @@ def test_batches_fit_the_staging_bytes_and_take_at_most_batch_pages(monkeypatch)
                 assert sizes[a : b + 1].sum() > 1000
 
 
-def test_a_ramped_call_starts_and_ends_with_small_batches(monkeypatch):
-    """With `ramp`, the first batch takes at most RAMP_BYTES and each next one at most 4x the last; with
-    `down`, the last batches shrink the same way towards the end. Every batch still fits the staging bytes
-    (a larger page alone) and BATCH_PAGES, and every page is in exactly one batch."""
-    from kvoffload.connectors import device_transfer
-
-    monkeypatch.setattr(device_transfer, "BATCH_PAGES", 40)
-    monkeypatch.setattr(device_transfer, "RAMP_BYTES", 10)
-    transfer = DeviceTransfer(torch.zeros(64, dtype=torch.uint8), staging_bytes=1000)
-    cuts = transfer._cuts(np.full(120, 5), ramp=True, down=True)
-    assert np.diff(cuts).tolist() == [2, 8, 32, 40, 28, 8, 2]  # 10, 40, 160 bytes ... 40, 10 bytes
-    assert transfer._cuts(np.full(120, 5)) == [0, 40, 80, 120]  # neither: as before
-    rng = np.random.default_rng(11)
-    for _ in range(300):
-        sizes = rng.integers(1, 1500, rng.integers(1, 80))
-        for ramp, down in ((True, False), (False, True), (True, True)):
-            cuts = transfer._cuts(sizes, ramp, down)
-            assert cuts[0] == 0 and cuts[-1] == len(sizes) and all(a < b for a, b in zip(cuts, cuts[1:]))
-            spans = [(a, b, int(sizes[a:b].sum())) for a, b in zip(cuts, cuts[1:])]
-            assert all(b - a <= 40 and (b - a == 1 or n <= 1000) for a, b, n in spans)
-            if ramp:
-                assert spans[0][1] - spans[0][0] == 1 or spans[0][2] <= 10
-            if down and len(spans) > 1:
-                assert spans[-1][1] - spans[-1][0] == 1 or spans[-1][2] <= 10
-
-
 @pytest.mark.parametrize("device,use_triton", PATHS)
 def test_misses_and_wrong_sized_pages_are_not_scattered(device, use_triton):
     paged, state = _groups()
@@ -570,18 +544,15 @@ def test_pages_a_tier_cannot_vouch_for_are_looked_up_again(monkeypatch):
 
 
 @pytest.mark.skipif(not GPU, reason="the in-place arena paths run on a GPU only")
-@pytest.mark.parametrize("head,segments", [(3, [3, 17]), (2, [2, 8, 10])])
-def test_a_long_call_is_grouped_and_placed_a_segment_at_a_time(monkeypatch, head, segments):
-    """A long call makes the columns of its first HEAD_PAGES pages first, then segments 4x the last (the
-    last takes the rest): each segment is grouped on its own, every page is stored and restored byte for
-    byte, and the outcomes come back in the caller's order (misses in any segment, where grouping moved
-    them)."""
+def test_a_long_call_is_grouped_and_placed_a_segment_at_a_time(monkeypatch):
+    """A call of more than two batches' worth of pages makes its first batch's worth of columns first:
+    both segments are grouped on their own, every page is stored and restored byte for byte, and the
+    outcomes come back in the caller's order (misses in either segment, where grouping moved them)."""
     from kvoffload.connectors import device_transfer as dt
     from kvoffload.store import MemoryStore
 
     paged, state = _groups()
     monkeypatch.setattr(dt, "BATCH_PAGES", 3)
-    monkeypatch.setattr(dt, "HEAD_PAGES", head)
     source = torch.randint(0, 256, (24 * STRIDE,), dtype=torch.uint8, device="cuda")
     transfer = _transfer(source, TRITON)
     grouped = []
@@ -590,7 +561,7 @@ def test_a_long_call_is_grouped_and_placed_a_segment_at_a_time(monkeypatch, head
     store = MemoryStore(8 << 20, chunk_bytes=2 << 20)
     items = [Page(f"k{g.name}{b}".encode(), g, b, b) for b in range(10) for g in (paged, state)]
     assert transfer.save(store, items) == [True] * len(items)
-    assert grouped == segments
+    assert grouped == [3, 17]
     before = HostTransfer(source.cpu())
     for p in items:
         assert bytes(store.get(p.key)) == before.gather(p.group, p.block).tobytes()
@@ -601,7 +572,7 @@ def test_a_long_call_is_grouped_and_placed_a_segment_at_a_time(monkeypatch, head
     moved = [p._replace(block=p.block + 12) for p in items]
     ok = transfer.load(store, moved)
     assert ok == [i not in missing for i in range(len(items))]
-    assert grouped == segments * 2 and store.stats()["held"] == 0
+    assert grouped == [3, 17, 3, 17] and store.stats()["held"] == 0
     torch.cuda.synchronize()
     after = HostTransfer(source.cpu())
     for i, (p, into) in enumerate(zip(items, moved)):

@@ -246,7 +246,11 @@ def _tiered(cache, kinds, half: int, device, repeats: int, tmp: str) -> dict:
     stats = store.stats()
     store.close()
     # A prefix only on LMDB: a fresh process's view (empty memory tier), the data file out of the page cache;
-    # through `tiered://` and through the same LMDB store opened alone (`lmdb://`).
+    # through `tiered://` and through the same LMDB store opened alone (`lmdb://`). The plain-file path's
+    # buffers are made once, outside its timing.
+    gpu = device.type == "cuda"
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=gpu)
+    on_device = torch.empty(nbytes, dtype=torch.uint8, device=device) if gpu else None
     for rep in range(repeats):
         into = _moved(pages_of(cache.layout, range(half), kinds, f"t{rep}/"), half)
         for timings, store_url in ((loads, url), (lmdb_loads, f"lmdb://{tmp}/store?capacity={lmdb_capacity}")):
@@ -255,7 +259,7 @@ def _tiered(cache, kinds, half: int, device, repeats: int, tmp: str) -> dict:
             timings.append(timed_load(loader, store, into, device))
             store.close()
         raw_reads.append(_raw_read(tmp, nbytes))
-        plain_reads.append(_plain_file_load(into, tmp, device))
+        plain_reads.append(_plain_file_load(tmp, pinned, on_device, device))
     gbps = lambda xs: round(nbytes / float(np.median(xs)) / 1e9, 2)  # noqa: E731
     rows: dict[str, Any] = {
         "bytes": nbytes,
@@ -278,23 +282,17 @@ def _tiered(cache, kinds, half: int, device, repeats: int, tmp: str) -> dict:
     return rows
 
 
-def _plain_file_load(items: list, tmp: str, device) -> float:
-    """Seconds to load as many bytes as `items`' pages cold from a plain file instead of LMDB, read with
-    `pread` by READERS threads straight into pinned memory (no map, no checksum, one run per thread),
-    then one copy to the device: the plain-file read path that LMDB's map is compared with."""
-    nbytes = _nbytes(items)
-    path = os.path.join(tmp, "plain.bin")
-    if not os.path.exists(path) or os.path.getsize(path) != nbytes:
-        _raw_write(tmp, nbytes, name="plain.bin")
+def _plain_file_load(tmp: str, pinned: torch.Tensor, on_device: torch.Tensor | None, device) -> float:
+    """Seconds to load the bytes of the raw file (`_raw_write`, as many as the pages) cold from it instead
+    of LMDB, read with `pread` by READERS threads straight into `pinned` memory (no map, no checksum, one
+    run per thread), then one copy `on_device`: the plain-file read path LMDB's map is compared with."""
+    path = os.path.join(tmp, "raw.bin")
     _drop_file_cache(path)
-    gpu = device.type == "cuda"
-    target = torch.empty(nbytes, dtype=torch.uint8, pin_memory=gpu)
-    into = torch.empty(nbytes, dtype=torch.uint8, device=device) if gpu else None
     _sync(device)
     start = time.perf_counter()
-    _threaded_pread(path, target.numpy(), READERS, chunk=16 << 20)
-    if into is not None:
-        into.copy_(target, non_blocking=True)
+    _threaded_pread(path, pinned.numpy(), READERS, chunk=16 << 20)
+    if on_device is not None:
+        on_device.copy_(pinned, non_blocking=True)
     _sync(device)
     return time.perf_counter() - start
 
@@ -378,10 +376,10 @@ def _threaded_pread(path: str, into: np.ndarray, threads: int, chunk: int = 64 <
     return seconds
 
 
-def _raw_write(tmp: str, nbytes: int, chunk: int = 64 << 20, name: str = "raw.bin") -> float:
+def _raw_write(tmp: str, nbytes: int, chunk: int = 64 << 20) -> float:
     """Write `nbytes` sequentially into a new file and fsync it: the disk's own speed for these bytes."""
     data = np.random.default_rng(0).integers(0, 256, chunk, dtype=np.uint8).tobytes()
-    path = os.path.join(tmp, name)
+    path = os.path.join(tmp, "raw.bin")
     start = time.perf_counter()
     with open(path, "wb") as f:
         left = nbytes

@@ -5,8 +5,9 @@ Each case runs in a fresh Python process (nothing made by an earlier case, CUDA 
 the prefix's pages are put into a `memory://` store as host bytes (the store's view after a restart:
 nothing of the transfer path has run yet), the `Offloader` is made (the warm start runs here and is
 timed), the heap frozen as vLLM's engine freezes it once started, then the first `lookup` + `load` of
-the prefix is timed, checked byte for byte against the stored pages, and repeated once warm. The
-baseline is the median of several pinned copies of the prefix's bytes in the same process. A first
+the prefix is timed, checked byte for byte against the stored pages, and repeated once warm. Then
+`ROUNDS` warm restores alternate with pinned copies of the prefix's bytes in the same process: the
+baseline is the copies' median, the warm restore the restores' median (one warm shot varies by 5-10%). A first
 restore happens once per process, so each geometry runs in `PROCESSES` fresh processes and the row
 gives their median (each process's figure kept in `runs`): one shot on a shared host varies by 5-10%.
 Each geometry is also run once with the warm start switched off, to show what it saves. Needs a GPU.
@@ -29,6 +30,9 @@ CASES = ((4352, 8704), (4352, 34816), (1152, 34560), (64, 8192))  # (block, pref
 QUICK_CASES = ((64, 2048),)
 TARGET = 0.80  # the first restore over the raw pinned copy of the same bytes
 PROCESSES = 3  # fresh processes per geometry with the warm start: the row is their median
+ROUNDS = 9  # warm restores (and raw copies, alternating) per process
+WARM_TARGETS = {64: 0.85}  # the warm restore over raw, by block size (others: WARM_TARGET)
+WARM_TARGET = 0.90
 
 
 def _case(block_size: int, tokens: int, warm: bool, preset: str) -> dict:
@@ -85,14 +89,15 @@ def _case(block_size: int, tokens: int, warm: bool, preset: str) -> dict:
     again = restore()
     source = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     target = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    raw = []
-    for _ in range(7):
+    raw, warm_s = [], []
+    for _ in range(ROUNDS):
         torch.cuda.synchronize()
         begin = time.perf_counter()
         target.copy_(source, non_blocking=True)
         torch.cuda.synchronize()
         raw.append(time.perf_counter() - begin)
-    raw_s = float(np.median(raw))
+        warm_s.append(restore())
+    raw_s, warm_median = float(np.median(raw)), float(np.median(warm_s))
     return {
         "block_size": block_size,
         "prefix_tokens": tokens,
@@ -103,9 +108,11 @@ def _case(block_size: int, tokens: int, warm: bool, preset: str) -> dict:
         "warm_up_ms": round(offloader.warm_up_s * 1e3, 1),
         "first_restore_ms": round(first * 1e3, 2),
         "second_restore_ms": round(again * 1e3, 2),
+        "warm_restore_ms": round(warm_median * 1e3, 2),
         "raw_pinned_copy_ms": round(raw_s * 1e3, 2),
         "first_of_raw": round(raw_s / first, 3),
         "second_of_raw": round(raw_s / again, 3),
+        "warm_of_raw": round(raw_s / warm_median, 3),
         "pages_equal": equal,
     }
 
@@ -126,14 +133,19 @@ def run(quick: bool = False, progress=None, preset: str = "full") -> dict:
             say(
                 f"[bench warmstart] block {block_size}, {tokens} tokens ({row['bytes'] / 1e6:.0f} MB), warm start "
                 f"{'on' if warm else 'off'} ({row['warm_up_ms']} ms): first restore {row['first_restore_ms']} ms = "
-                f"{row['first_of_raw']} of raw, second {row['second_of_raw']}"
+                f"{row['first_of_raw']} of raw, second {row['second_of_raw']}, warm (median of {ROUNDS}) "
+                f"{row['warm_of_raw']}"
                 + (
                     f" (median of {len(runs)} processes: {sorted(r['first_of_raw'] for r in runs)})"
                     if len(runs) > 1
                     else ""
                 )
             )
-    met = all(r["first_of_raw"] >= TARGET and r["pages_equal"] for r in rows if r["warm_start"])
+    met = all(
+        r["first_of_raw"] >= TARGET and r["warm_of_raw"] >= WARM_TARGETS.get(r["block_size"], WARM_TARGET)
+        for r in rows
+        if r["warm_start"]
+    ) and all(r["pages_equal"] for r in rows)
     return {
         "benchmark": "warmstart",
         "quick": quick,
@@ -141,7 +153,11 @@ def run(quick: bool = False, progress=None, preset: str = "full") -> dict:
         "date": time.strftime("%Y-%m-%d"),
         "machine": {**machine(), "device": torch.cuda.get_device_name()},
         "preset": preset,
-        "target": {"first_of_raw_min": TARGET, "met": met},
+        "target": {
+            "first_of_raw_min": TARGET,
+            "warm_of_raw_min": {str(b): WARM_TARGETS.get(b, WARM_TARGET) for b, _ in (QUICK_CASES if quick else CASES)},
+            "met": met,
+        },
         "results": rows,
     }
 
@@ -162,7 +178,7 @@ def _median_row(runs: list[dict]) -> dict:
     middle = sorted(runs, key=lambda r: r["first_of_raw"])[len(runs) // 2]
     row = {**middle, "pages_equal": all(r["pages_equal"] for r in runs)}
     if len(runs) > 1:
-        row["runs"] = [{k: r[k] for k in ("first_of_raw", "second_of_raw", "warm_up_ms")} for r in runs]
+        row["runs"] = [{k: r[k] for k in ("first_of_raw", "second_of_raw", "warm_of_raw", "warm_up_ms")} for r in runs]
     return row
 
 

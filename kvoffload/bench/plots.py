@@ -223,7 +223,7 @@ def _warmstart(ax, result):
             "first restore, set up on first use": [
                 cold[(r["block_size"], r["prefix_tokens"])]["first_of_raw"] for r in rows
             ],
-            "second restore": [r["second_of_raw"] for r in rows],
+            "warm restore (median)": [r["warm_of_raw"] for r in rows],
         },
     )
     ax.set(ylabel="of a raw pinned copy of the same bytes", title="The first restore of a fresh process")

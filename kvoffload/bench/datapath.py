@@ -40,6 +40,8 @@ from ..store.lmdb_reads import READERS
 from .common import new_result
 from .transfer import _device_name, _median_gbps, _nbytes, _sync, pages_of
 
+RAW_FILE = "raw.bin"  # the raw write and read baselines' file, read again by the plain-file path
+
 
 def _moved(items: list, half: int) -> list:
     """The same pages (keys) placed `half` blocks further on: where a load puts them back."""
@@ -286,7 +288,7 @@ def _plain_file_load(tmp: str, pinned: torch.Tensor, on_device: torch.Tensor | N
     """Seconds to load the bytes of the raw file (`_raw_write`, as many as the pages) cold from it instead
     of LMDB, read with `pread` by READERS threads straight into `pinned` memory (no map, no checksum, one
     run per thread), then one copy `on_device`: the plain-file read path LMDB's map is compared with."""
-    path = os.path.join(tmp, "raw.bin")
+    path = os.path.join(tmp, RAW_FILE)
     _drop_file_cache(path)
     _sync(device)
     start = time.perf_counter()
@@ -379,7 +381,7 @@ def _threaded_pread(path: str, into: np.ndarray, threads: int, chunk: int = 64 <
 def _raw_write(tmp: str, nbytes: int, chunk: int = 64 << 20) -> float:
     """Write `nbytes` sequentially into a new file and fsync it: the disk's own speed for these bytes."""
     data = np.random.default_rng(0).integers(0, 256, chunk, dtype=np.uint8).tobytes()
-    path = os.path.join(tmp, "raw.bin")
+    path = os.path.join(tmp, RAW_FILE)
     start = time.perf_counter()
     with open(path, "wb") as f:
         left = nbytes
@@ -391,7 +393,7 @@ def _raw_write(tmp: str, nbytes: int, chunk: int = 64 << 20) -> float:
 
 
 def _raw_read(tmp: str, nbytes: int, chunk: int = 64 << 20) -> float:
-    path = os.path.join(tmp, "raw.bin")
+    path = os.path.join(tmp, RAW_FILE)
     _drop_file_cache(path)
     buffer = bytearray(chunk)
     start = time.perf_counter()

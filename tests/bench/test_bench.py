@@ -222,11 +222,24 @@ def test_warmstart_reports_the_median_process_and_equal_pages_only_if_every_proc
     from kvoffload.bench.warmstart import _median_row
 
     runs = [
-        {"first_of_raw": r, "second_of_raw": 0.9, "warm_of_raw": 0.92, "warm_up_ms": 700.0, "pages_equal": True, "first_restore_ms": m}
-        for r, m in ((0.91, 5.0), (0.70, 6.5), (0.84, 5.4))
+        {
+            "first_of_raw": r,
+            "second_of_raw": 0.9,
+            "warm_of_raw": w,
+            "warm_restore_ms": 5.0 / w,
+            "warm_up_ms": 700.0,
+            "pages_equal": True,
+            "first_restore_ms": m,
+        }
+        for r, m, w in ((0.91, 5.0, 0.80), (0.70, 6.5, 0.93), (0.84, 5.4, 0.88))
     ]
     row = _median_row(runs)
     assert row["first_of_raw"] == 0.84 and row["first_restore_ms"] == 5.4 and row["pages_equal"]
+    # the warm figure is the median of the processes' warm medians, not the median-first process's own
+    assert runs[2]["warm_of_raw"] == 0.88
+    runs[2]["warm_of_raw"], runs[0]["warm_of_raw"] = 0.80, 0.88
+    row = _median_row(runs)
+    assert row["first_of_raw"] == 0.84 and row["warm_of_raw"] == 0.88 and row["warm_restore_ms"] == 5.0 / 0.80
     assert [r["first_of_raw"] for r in row["runs"]] == [0.91, 0.70, 0.84]
     runs[0]["pages_equal"] = False
     assert _median_row(runs)["pages_equal"] is False

@@ -309,40 +309,60 @@ def vllm_serve(model_dir: str, args: list[str], port: int | None = None, *,
     "+cpu" version wrapper), wait for ``/health``, yield the base URL ``http://127.0.0.1:PORT``;
     on exit SIGINT (graceful), then SIGTERM / SIGKILL to the process group.  Output goes to
     ``log_path`` (default: a temp file, ``url.log_path``, removed on exit; start-up failures
-    raise :class:`HarnessError` with its tail)."""
-    port = port or free_port()
+    raise :class:`HarnessError` with its tail).  A port chosen here (``port=None``) is free when
+    chosen, not when the server binds it seconds later: a start that lost it to another process
+    is retried on a new port, twice at most."""
     own_log = log_path is None
     if own_log:
         fd, log_path = tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")
         os.close(fd)
+    try:
+        for attempt in range(1 if port else 3):
+            base = _start_serve(model_dir, args, port or free_port(), extra_env, log_path)
+            try:
+                _wait_healthy(base, startup_timeout)
+                break
+            except HarnessError as e:
+                stop_group(base.proc, first=signal.SIGINT, grace=30.0)
+                if port or attempt == 2 or "Address already in use" not in str(e):
+                    raise
+        try:
+            yield base
+        finally:
+            stop_group(base.proc, first=signal.SIGINT, grace=30.0)
+    finally:
+        if own_log:
+            with contextlib.suppress(OSError):
+                os.remove(log_path)
+
+
+def _start_serve(model_dir: str, args: list[str], port: int, extra_env: dict | None,
+                 log_path: str) -> _Server:
     cmd = [sys.executable, HARNESS, "vllm", "serve", os.path.abspath(model_dir),
            "--host", "127.0.0.1", "--port", str(port), *args]
     base = _Server(f"http://127.0.0.1:{port}")
     base.log_path = log_path
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=child_env(extra_env), cwd=ROOT, start_new_session=True)
-    base.proc = proc
-    try:
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if proc.poll() is not None:
-                raise HarnessError(f"vllm serve exited with {proc.returncode}:\n{_tail(log_path)}")
-            try:
-                _http(base + "/health", timeout=5)
-                break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise HarnessError(f"vllm serve not healthy after {startup_timeout}s:\n"
-                                   f"{_tail(log_path)}")
-            time.sleep(1.0)
-        yield base
-    finally:
-        stop_group(proc, first=signal.SIGINT, grace=30.0)
-        if own_log:
-            with contextlib.suppress(OSError):
-                os.remove(log_path)
+        base.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=child_env(extra_env), cwd=ROOT, start_new_session=True)
+    return base
+
+
+def _wait_healthy(base: _Server, timeout: float) -> None:
+    """Return once ``/health`` answers; raise :class:`HarnessError` (with the log's tail) if the
+    server exits or is not healthy within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if base.proc.poll() is not None:
+            raise HarnessError(f"vllm serve exited with {base.proc.returncode}:\n{_tail(base.log_path)}")
+        try:
+            _http(base + "/health", timeout=5)
+            return
+        except (urllib.error.URLError, ConnectionError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise HarnessError(f"vllm serve not healthy after {timeout}s:\n{_tail(base.log_path)}")
+        time.sleep(1.0)
 
 
 def _tail(path: str, n: int = 6000) -> str:

@@ -105,3 +105,52 @@ def test_qwen3_next_hybrid_generates(tmp_path):
         assert a["num_cached_tokens"] == 0
     assert second[0]["num_local_cached_tokens"] > 0
     assert second[0]["num_external_cached_tokens"] == 0
+
+
+_HEALTHY_SERVER = """
+import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def test_a_serve_start_that_lost_its_port_is_retried_on_a_new_one(monkeypatch, tmp_path):
+    """A port the harness picks can be taken before the server binds it: that start is stopped and
+    retried on a new port; a port the caller named is not retried (its error says why). The server is
+    a stand-in that binds the port and answers /health, so no engine starts."""
+    import subprocess
+    import sys
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy = taken.getsockname()[1]
+    ports = iter([busy, vh.free_port()])
+    monkeypatch.setattr(vh, "free_port", lambda: next(ports))
+    started = []
+
+    def stand_in(model_dir, args, port, extra_env, log_path):
+        started.append(port)
+        base = vh._Server(f"http://127.0.0.1:{port}")
+        base.log_path = log_path
+        with open(log_path, "wb") as log:
+            base.proc = subprocess.Popen([sys.executable, "-c", _HEALTHY_SERVER, str(port)], stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        return base
+
+    monkeypatch.setattr(vh, "_start_serve", stand_in)
+    try:
+        with vh.vllm_serve(str(tmp_path), [], startup_timeout=30) as url:
+            assert vh._http(url + "/health") == b"ok" and not url.endswith(f":{busy}")
+            server = url.proc
+        assert started[0] == busy and len(started) == 2 and server.poll() is not None  # stopped on exit
+        with pytest.raises(vh.HarnessError, match="Address already in use"):
+            with vh.vllm_serve(str(tmp_path), [], port=busy, startup_timeout=30):
+                pass
+        assert started[2:] == [busy]
+    finally:
+        taken.close()

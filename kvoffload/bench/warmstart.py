@@ -32,6 +32,8 @@ TARGET = 0.80  # the first restore over the raw pinned copy of the same bytes
 PROCESSES = 3  # fresh processes per geometry with the warm start: the row is their median
 ROUNDS = 9  # warm restores (and raw copies, alternating) per process
 WARM_TARGET = {64: 0.85, 1152: 0.90, 4352: 0.90}  # a warm restore over raw, by block size
+# Each process's figures kept in a row's `runs`: its ratios with the times they came from.
+KEPT_PER_RUN = ("first_of_raw", "second_of_raw", "warm_of_raw", "warm_restore_ms", "raw_pinned_copy_ms", "warm_up_ms")
 
 
 def _case(block_size: int, tokens: int, warm: bool, preset: str) -> dict:
@@ -173,7 +175,8 @@ def _fresh_process(spec: str) -> dict:
 
 def _median_row(runs: list[dict]) -> dict:
     """The run whose first restore is the median one (pages equal only if equal in every run), its warm
-    restore replaced by the median run's warm restore, with every run's figures in `runs`."""
+    restore (`warm_of_raw`, `warm_restore_ms`) replaced by the median run's warm restore, with every run's
+    figures in `runs`: each with its own raw copy, against which its ratios were taken."""
     middle = sorted(runs, key=lambda r: r["first_of_raw"])[len(runs) // 2]
     warm = sorted(runs, key=lambda r: r["warm_of_raw"])[len(runs) // 2]
     row = {
@@ -183,7 +186,7 @@ def _median_row(runs: list[dict]) -> dict:
         "pages_equal": all(r["pages_equal"] for r in runs),
     }
     if len(runs) > 1:
-        row["runs"] = [{k: r[k] for k in ("first_of_raw", "second_of_raw", "warm_of_raw", "warm_up_ms")} for r in runs]
+        row["runs"] = [{k: r[k] for k in KEPT_PER_RUN} for r in runs]
     return row
 
 

@@ -227,6 +227,7 @@ def test_warmstart_reports_the_median_process_and_equal_pages_only_if_every_proc
             "second_of_raw": 0.9,
             "warm_of_raw": w,
             "warm_restore_ms": 5.0 / w,
+            "raw_pinned_copy_ms": 5.0,
             "warm_up_ms": 700.0,
             "pages_equal": True,
             "first_restore_ms": m,
@@ -241,6 +242,12 @@ def test_warmstart_reports_the_median_process_and_equal_pages_only_if_every_proc
     row = _median_row(runs)
     assert row["first_of_raw"] == 0.84 and row["warm_of_raw"] == 0.88 and row["warm_restore_ms"] == 5.0 / 0.80
     assert [r["first_of_raw"] for r in row["runs"]] == [0.91, 0.70, 0.84]
+    # each process keeps the times its ratios came from: the row's warm figure can be checked against them
+    assert [(r["warm_restore_ms"], r["raw_pinned_copy_ms"]) for r in row["runs"]] == [
+        (5.0 / 0.80, 5.0),
+        (5.0 / 0.93, 5.0),
+        (5.0 / 0.88, 5.0),
+    ]
     runs[0]["pages_equal"] = False
     assert _median_row(runs)["pages_equal"] is False
     assert "runs" not in _median_row(runs[:1])  # one process (the warm start off): its own row

@@ -8,6 +8,11 @@ PYTEST_ARGS ?=
 # pytest-xdist workers (auto: one per core); tests are spread one by one (`--dist load`)
 TEST_WORKERS ?= auto
 
+# tomllib (below) and the project need Python >= 3.11: say so before anything else fails
+ifneq ($(shell $(PYTHON) -c 'import sys; print(sys.version_info >= (3, 11))' 2>/dev/null),True)
+$(error kvoffload needs Python >= 3.11: $(PYTHON) is "$(shell $(PYTHON) -V 2>&1)"; choose one with make PYTHON=python3.12 ...)
+endif
+
 # The key covers what the environment is built from: the dependency pins (not the rest of pyproject.toml).
 ENV_KEY := $(shell { $(PYTHON) -c 'import json, sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
              print(json.dumps([p["dependencies"], p["optional-dependencies"]], sort_keys=True)); print(sys.version)'; \
@@ -37,4 +42,4 @@ $(VENV)/.complete:
 	PYTHON=$(PYTHON) TORCH_SPEC='$(TORCH_SPEC)' TORCH_INDEX='$(TORCH_INDEX)' scripts/setup-env.sh $(VENV)
 
 clean-env:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VENV).log $(VENV).lock $(VENV).install.log

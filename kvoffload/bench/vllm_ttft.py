@@ -1,6 +1,7 @@
 """Time to first token in the real vLLM engine, on the CPU build or a CUDA GPU (`--device`): no connector,
-KVOffloadConnector on the memory, LMDB and tiered stores, and a peer (vLLM's ExampleConnector on the
-CPU, its OffloadingConnector on a GPU), same model, same prompts, same run. One engine per
+KVOffloadConnector on the memory, LMDB and tiered stores, and the peers (vLLM's ExampleConnector on the
+CPU; its OffloadingConnector and SimpleCPUOffloadConnector on a GPU, with CUDA graphs unless `eager`),
+same model, same prompts, same run. One engine per
 configuration, all up at once; every prompt is run alone with one output token on each engine in turn
 (cold); then once more on the no-connector engine, served by its own prefix cache (`local`: the engine's
 step time for the uncached suffix); then every engine's prefix cache is reset and the prompts run again
@@ -21,7 +22,7 @@ import torch
 from ..harness.vllm_engine import Engine, EngineRunError
 from .common import drop_page_cache, machine
 from .vllm_models import tiny_llama
-from .vllm_profiles import CPU, Profile, profile
+from .vllm_profiles import CPU, PEERS_ON_GPU, Profile, profile
 
 BLOCK, MODEL = CPU.block, CPU.model  # the CPU profile's (other benchmarks and tests import them)
 LENGTHS = {"cpu": ([256, 1024, 2048], [128]), "cuda": ([4096, 16384, 65536], [1024])}  # full, quick
@@ -94,8 +95,10 @@ def _raw_link_ms(nbytes: int, repeats: int = 5) -> float:
     return statistics.median(times[1:])
 
 
-def run(quick: bool = False, prompts_per_length: int | None = None, progress=None, device: str = "cpu") -> dict:
-    where = profile(device)
+def run(
+    quick: bool = False, prompts_per_length: int | None = None, progress=None, device: str = "cpu", eager: bool = False
+) -> dict:
+    where = profile(device, eager)
     gpu = where.device == "cuda"
     lengths = LENGTHS[where.device][1 if quick else 0]
     per_length = prompts_per_length or (1 if quick or gpu else 3)
@@ -107,8 +110,8 @@ def run(quick: bool = False, prompts_per_length: int | None = None, progress=Non
         torch.randint(3, 512, (n + block // 2,), generator=gen).tolist() for n in lengths for _ in range(per_length)
     ]
     say = progress or (lambda message: None)
-    peer = "vllm_offloading" if gpu else "example_connector"
-    names = ["none", "kvoffload_memory", "kvoffload_lmdb", *(["kvoffload_tiered"] if gpu else []), peer]
+    peers = list(PEERS_ON_GPU) if gpu else ["example_connector"]
+    names = ["none", "kvoffload_memory", "kvoffload_lmdb", *(["kvoffload_tiered"] if gpu else []), *peers]
     measured: dict[str, dict[str, list[dict]]] = {name: {"cold": [], "warm": []} for name in names}
     measured["none"]["local"] = []
     stored = sum(len(p) for p in prompts) * where.kv_bytes_per_token
@@ -123,7 +126,7 @@ def run(quick: bool = False, prompts_per_length: int | None = None, progress=Non
             where=where,
             capacity=capacity,
             kv_bytes=kv_bytes,
-            optional=(peer,) if gpu else (),
+            optional=peers if gpu else (),
         ) as running:
             names = [name for name in names if name in running]
             for prompt in prompts:

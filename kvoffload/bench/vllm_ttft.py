@@ -116,7 +116,8 @@ def run(
     measured["none"]["local"] = []
     stored = sum(len(p) for p in prompts) * where.kv_bytes_per_token
     capacity = f"{max(2, -(-stored * 5 // 4) >> 30)}GiB"  # every prefix fits, with room
-    kv_bytes = max(4 << 30, (max(lengths) + 2 * block) * where.kv_bytes_per_token * 3 // 2) if gpu else None
+    # the longest prompt and an eighth more: six engines share one GPU's memory
+    kv_bytes = max(4 << 30, (max(lengths) + 2 * block) * where.kv_bytes_per_token * 9 // 8) if gpu else None
     with tempfile.TemporaryDirectory(prefix="kvoffload-vllm-ttft-") as tmp:
         with engines(
             names,

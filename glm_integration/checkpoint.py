@@ -183,6 +183,7 @@ def write_checkpoint(
     max_shard_bytes: int = MAX_SHARD_BYTES,
     format: str = "hf",
     mhc: bool = True,
+    progress=None,
 ) -> dict:
     """Write config.json and the weights (one `model.safetensors`, or shards plus an index when large).
 
@@ -190,7 +191,8 @@ def write_checkpoint(
     values). `mhc=False` (vllm only) writes `"mhc": false` and no hyper-connection tensors, the
     variant vLLM runs without hyper-connections; the runner cannot load that one.
     Existing `model*.safetensors` files and index in `out_dir` are replaced so no stale shard remains.
-    Returns a summary: tensors, bytes, files.
+    `progress(message)` hears of each file written when there are several. Returns a summary: tensors,
+    bytes, files.
     """
     from safetensors.torch import save_file
 
@@ -229,6 +231,8 @@ def write_checkpoint(
         os.chmod(tmp, 0o666 & ~_umask())  # safetensors writes 0600; give the usual umask-derived mode
         os.replace(tmp, os.path.join(out_dir, file))
         del tensors
+        if progress and len(files) > 1:
+            progress(f"checkpoint: {file} written ({total / 2**30:.1f} of {checkpoint_bytes(config) / 2**30:.1f} GiB)")
 
     if len(files) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}

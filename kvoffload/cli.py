@@ -66,7 +66,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 # the verify flags whose names are `verify`'s keywords (--model and --prompts are not)
-VERIFY_FLAGS = ("preset", "restart", "separate", "block_size", "max_tokens", "device", "kernels")
+VERIFY_FLAGS = ("preset", "restart", "separate", "block_size", "max_tokens", "device", "kernels", "yes")
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -127,7 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     ver = sub.add_parser("verify", help="prove cold == warm on the bundled runner; exit 0 only if all equal")
     ver.add_argument("--store", default="memory://?capacity=1GiB", help="memory://, lmdb://, redis:// or tiered:// URL")
     source = ver.add_mutually_exclusive_group()
-    source.add_argument("--preset", default="tiny", help="a runner preset, checkpoint written once (default tiny)")
+    source.add_argument(
+        "--preset",
+        default="tiny",
+        help="a runner preset, its random checkpoint written once: tiny (default, 7 MiB), vllm-4l (1.2 GiB), "
+        "pruned-4l (31.6 GiB), full (597 GiB; the last two only with --yes)",
+    )
     source.add_argument("--model", help="a GLM-5.3-Flash checkpoint directory")
     ver.add_argument(
         "--prompts", help="file with one prompt per line, space-separated token ids (default: the built-in edge cases)"
@@ -146,8 +151,15 @@ def main(argv: list[str] | None = None) -> int:
         choices=["auto", "torch", "triton", "aiter"],
         help="runner kernel backend (auto: triton on a GPU, torch on the CPU)",
     )
-    ver.add_argument("--block-size", type=_count, default=16)
-    ver.add_argument("--max-tokens", type=_count, default=8, help="greedy decode steps compared per prompt")
+    ver.add_argument(
+        "--block-size",
+        type=_count,
+        default=16,
+        help="tokens per cache block (a multiple of the model's index_kpool; default 16); "
+        "the built-in prompts grow with it",
+    )
+    ver.add_argument("--max-tokens", type=_count, default=8, help="greedy decode steps compared per prompt (default 8)")
+    ver.add_argument("--yes", action="store_true", help="write a preset's checkpoint however large")
     ver.add_argument(
         "--json",
         action="store_true",

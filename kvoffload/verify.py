@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,11 @@ from .paths import preset_model_dir
 from .spec import GroupKind
 from .store import StoreConfigError, open_store, parse_store_url
 from .store.url import redact_url
+
+
+def builtin_longest(config, block_size: int) -> int:
+    """The longest prompt of `builtin_cases`, known before any is drawn."""
+    return max(config.index_topk + 2 * block_size + 3, 4 * block_size + 5)
 
 
 def builtin_cases(config, block_size: int) -> list[tuple[str, list[list[int]]]]:
@@ -81,17 +87,67 @@ def read_prompt_file(path: str, vocab_size: int | None = None) -> list[tuple[str
     return cases
 
 
-def default_model_dir(preset: str) -> str:
-    """The preset's checkpoint (seed 0), written once into the user cache and reused."""
-    from glm_integration.checkpoint import write_checkpoint
+ASK_ABOVE_BYTES = 2 << 30  # a preset checkpoint larger than this is written only with `yes`
+
+
+def default_model_dir(preset: str, yes: bool = False, progress=None) -> str:
+    """The preset's checkpoint (seed 0), written once into the user cache and reused. A large one is
+    written only when the user said yes and the disk has room; a failed write leaves nothing behind."""
+    from glm_integration.checkpoint import checkpoint_bytes, write_checkpoint
+    from glm_integration.config import PRESETS
     from glm_integration.config import preset as make_preset
 
+    if preset not in PRESETS:
+        raise InputError(f"unknown preset {preset!r} (presets: {', '.join(PRESETS)})")
     path = preset_model_dir(preset)
-    if not os.path.exists(os.path.join(path, "config.json")):
-        tmp = f"{path}.tmp{os.getpid()}"
-        write_checkpoint(make_preset(preset), 0, tmp)
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    config = make_preset(preset)
+    size = checkpoint_bytes(config)
+    if size > ASK_ABOVE_BYTES and not yes:
+        raise InputError(
+            f"--preset {preset} writes a {size / 2**30:.1f} GiB random checkpoint to {path}: pass --yes to write it"
+        )
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    free = shutil.disk_usage(parent).free
+    if size * 1.05 > free:
+        raise InputError(
+            f"--preset {preset} needs {size / 2**30:.1f} GiB for its checkpoint; "
+            f"{parent} has {free / 2**30:.1f} GiB free"
+        )
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        write_checkpoint(config, 0, tmp, progress=progress)
         os.replace(tmp, path)
+    except OSError as exc:  # a full disk, say: the user's to fix, and nothing is left half-written
+        raise InputError(f"--preset {preset}: writing its checkpoint to {path} failed: {exc.strerror or exc}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+MEMORY_SHARE = 0.8  # of the memory available now, the most a verify run's caches may take
+
+
+def check_sizes(config, layout, longest: int, batch: int, block_size: int, max_tokens: int, device: str) -> None:
+    """Refuse, before anything is allocated, a block size or a token count whose caches cannot fit: the
+    runner's cache for the largest case (`batch` prompts of at most `longest` tokens, plus the decode)."""
+    import psutil
+
+    per_block = sum(r.page_bytes * r.num_layers for g in layout.groups for r in g.regions)
+    blocks = batch * ((longest + max_tokens) // block_size + 2) + 4
+    need = 2 * blocks * per_block  # the cold and the warm runner's caches
+    available = (
+        torch.cuda.mem_get_info(torch.device(device))[0]
+        if device.startswith("cuda")
+        else psutil.virtual_memory().available
+    )
+    if need > MEMORY_SHARE * available:
+        raise InputError(
+            f"--block-size {block_size} and --max-tokens {max_tokens} need about {need / 2**30:.1f} GiB of cache "
+            f"for prompts of up to {longest} tokens; {device} has {available / 2**30:.1f} GiB available"
+        )
 
 
 def case_namespace(namespace: str, case: int) -> str:
@@ -323,8 +379,10 @@ def verify(
     progress=None,
     device: str = "cpu",
     kernels: str = "auto",
+    yes: bool = False,
 ) -> dict:
-    """`restart`: the warm phase runs in a new process. `separate`: the cold and the warm phase each run
+    """`yes`: write a preset's checkpoint however large (else refused above `ASK_ABOVE_BYTES`).
+    `restart`: the warm phase runs in a new process. `separate`: the cold and the warm phase each run
     in a new process of their own, two independent runners sharing nothing but the store (a shared
     tier such as redis:// serving another instance)."""
     progress = progress or (lambda message: None)
@@ -341,7 +399,7 @@ def verify(
         use_backend(backend_for(device, kernels))
     except ValueError as exc:  # only raised for a backend unknown or not installed here
         raise InputError(f"--kernels {kernels}: {exc}") from None
-    model_dir = model_dir or default_model_dir(preset)
+    model_dir = model_dir or default_model_dir(preset, yes, progress)
     from glm_integration.cache import PagedCache
     from glm_integration.config import GlmConfig
     from glm_integration.loader import checkpoint_id
@@ -351,9 +409,16 @@ def verify(
         raise InputError(
             f"--block-size {block_size} must be a multiple of the model's index_kpool ({config.index_kpool})"
         )
-    cases = read_prompt_file(prompts_file, config.vocab_size) if prompts_file else builtin_cases(config, block_size)
-    namespace = f"verify/{uuid.uuid4()}"
     layout = PagedCache(config, block_size, 1, model_id=checkpoint_id(model_dir), device="meta").layout
+    if prompts_file:
+        cases = read_prompt_file(prompts_file, config.vocab_size)
+        longest, batch = max(len(p) for _, ps in cases for p in ps), 1
+    else:
+        longest, batch = builtin_longest(config, block_size), 3  # its largest case: three prompts at once
+    check_sizes(config, layout, longest, batch, block_size, max_tokens, device)
+    if not prompts_file:
+        cases = builtin_cases(config, block_size)
+    namespace = f"verify/{uuid.uuid4()}"
 
     run = {"device": device, "kernels": kernels}
     phase = (model_dir, store_url, namespace, cases, block_size, max_tokens, run)

@@ -142,7 +142,7 @@ def test_config_json_errors_from_the_command(model):
 
 def test_missing_model_and_unknown_preset(tmp_path):
     _one_line(_run("verify", "--quiet", "--model", str(tmp_path / "none")), "none", "No such file")
-    _one_line(_run("verify", "--quiet", "--preset", "huge"), "unknown preset 'huge'")
+    _one_line(_run("verify", "--quiet", "--preset", "huge"), "unknown preset 'huge' (presets: tiny, full, pruned-4l")
 
 
 # -- options -------------------------------------------------------------------------------------------
@@ -200,3 +200,56 @@ def test_an_unreadable_file_is_one_line_even_as_root(monkeypatch, capsys):
     monkeypatch.setattr(kvoffload.verify, "verify", denied)
     assert cli.main(["verify", "--quiet"]) == 2
     assert capsys.readouterr().err == "kvoffload: /data/prompts.txt: Permission denied\n"
+
+
+# -- sizes: refused before anything large is allocated or written ------------------------------------
+
+@pytest.mark.parametrize("flags, message", [
+    (["--block-size", "100000000"], "--block-size 100000000 and --max-tokens 8 need about"),
+    (["--max-tokens", "100000000"], "--block-size 16 and --max-tokens 100000000 need about"),
+])
+def test_sizes_that_cannot_fit_are_refused_at_once(tiny_checkpoint, flags, message):
+    """What once grew to 23 GB until the kernel killed it: one line, exit 2, in seconds, memory small."""
+    out = subprocess.run(["/usr/bin/time", "-f", "maxrss_kb=%M", sys.executable, "-m", "kvoffload.cli", "verify",
+                          "--model", str(tiny_checkpoint), "--quiet", *flags],
+                         env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    rss = int(out.stderr.rsplit("maxrss_kb=", 1)[1])
+    out.stderr = out.stderr.rsplit("maxrss_kb=", 1)[0].replace("Command exited with non-zero status 2\n", "")
+    _one_line(out, message, "GiB available")
+    assert rss < 1_500_000, rss
+
+
+def test_a_large_preset_needs_yes_and_writes_nothing(tmp_path):
+    env = subprocess_env(XDG_CACHE_HOME=str(tmp_path))
+    out = subprocess.run([sys.executable, "-m", "kvoffload.cli", "verify", "--preset", "full", "--quiet"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    _one_line(out, "--preset full writes a 597.5 GiB random checkpoint", "pass --yes")
+    assert not (tmp_path / "kvoffload" / "models").exists() or not os.listdir(tmp_path / "kvoffload" / "models")
+
+
+def test_a_preset_larger_than_the_disk_is_refused_with_yes(tmp_path):
+    env = subprocess_env(XDG_CACHE_HOME=str(tmp_path))
+    out = subprocess.run([sys.executable, "-m", "kvoffload.cli", "verify", "--preset", "full", "--yes", "--quiet"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    if shutil.disk_usage(tmp_path).free > 700 << 30:
+        pytest.skip("this disk has room for the full checkpoint")
+    _one_line(out, "--preset full needs 597.5 GiB for its checkpoint", "GiB free")
+    assert not os.listdir(tmp_path / "kvoffload" / "models")
+
+
+def test_a_failed_checkpoint_write_leaves_no_temporary_folder(tmp_path, monkeypatch):
+    """A write that fails midway (a full disk, say) removes its `.tmp<pid>` folder."""
+    import glm_integration.checkpoint as checkpoint
+    from kvoffload import verify
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+
+    def fail(config, seed, out_dir, **kwargs):
+        os.makedirs(out_dir)
+        (open(os.path.join(out_dir, "model.safetensors"), "wb")).write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "write_checkpoint", fail)
+    with pytest.raises(verify.InputError, match="tiny: writing its checkpoint to .* failed: No space left"):
+        verify.default_model_dir("tiny")
+    assert os.listdir(tmp_path / "kvoffload" / "models") == []

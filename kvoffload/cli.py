@@ -192,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except INPUT_ERRORS as exc:
         return _refuse(exc)
+    except KeyboardInterrupt:  # Ctrl-C: the context managers on the way out have stopped every child
+        print("kvoffload: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

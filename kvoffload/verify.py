@@ -497,7 +497,8 @@ def _phase_in_new_process(model_dir, store_url, namespace, cases, block_size, ma
                 },
                 f,
             )
-        proc = subprocess.run([sys.executable, "-m", "kvoffload.verify", spec, out])  # progress on stderr
+        # progress on stderr; a session of its own: Ctrl-C stops the parent, which kills it (subprocess.run)
+        proc = subprocess.run([sys.executable, "-m", "kvoffload.verify", spec, out], start_new_session=True)
         if proc.returncode == 2 and os.path.exists(out):  # bad input, reported here as the parent's own
             with open(out) as f:
                 raise InputError(json.load(f)["input_error"])

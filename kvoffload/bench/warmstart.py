@@ -166,7 +166,11 @@ def run(quick: bool = False, progress=None, preset: str = "full") -> dict:
 def _fresh_process(spec: str) -> dict:
     """One case's figures, from a fresh Python process (`_case`)."""
     out = subprocess.run(
-        [sys.executable, "-m", "kvoffload.bench.warmstart", spec], capture_output=True, text=True, check=False
+        [sys.executable, "-m", "kvoffload.bench.warmstart", spec],
+        capture_output=True,
+        text=True,
+        check=False,
+        start_new_session=True,  # Ctrl-C stops the parent, which kills it
     )
     if out.returncode != 0:
         raise RuntimeError(f"bench warmstart: the case {spec} failed:\n{out.stderr[-4000:]}")

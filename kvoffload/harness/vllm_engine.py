@@ -75,7 +75,7 @@ def stop_group(proc: subprocess.Popen, first: int = signal.SIGTERM, grace: float
             os.killpg(proc.pid, sig)
         except (ProcessLookupError, PermissionError):
             break
-        time.sleep(1.0 if sig == signal.SIGTERM else 0)
+        time.sleep(min(1.0, grace) if sig == signal.SIGTERM else 0)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(5)
 
@@ -151,7 +151,7 @@ class Engine:
             try:
                 self.startup_s = self._reply()["startup_s"]
             except BaseException:
-                self.close()
+                self.close(graceful=False)
                 raise
         return self
 
@@ -180,16 +180,17 @@ class Engine:
         with open(self.log.name, "rb") as f:
             return f.read().decode("utf-8", "replace")
 
-    def close(self) -> str:
-        """End the engine (stdin closed: it exits, at most 60 s) and its process group; returns its log
-        (again on a second call)."""
+    def close(self, graceful: bool = True) -> str:
+        """End the engine (stdin closed: it exits, at most 60 s; not `graceful`: terminated at once) and its
+        process group; returns its log (again on a second call)."""
         if self.replies.closed:
             return self._closed_log
         with contextlib.suppress(BrokenPipeError):
             self.stdin.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(60)
-        stop_group(self.proc, grace=5.0)
+        if graceful:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(60)
+        stop_group(self.proc, grace=5.0 if graceful else 0.5)
         self.replies.close()
         text = self._closed_log = self.log_text()
         os.unlink(self.log.name)
@@ -198,5 +199,5 @@ class Engine:
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, *exc) -> None:
+        self.close(graceful=kind is None or not issubclass(kind, KeyboardInterrupt))  # Ctrl-C: no waiting

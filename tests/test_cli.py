@@ -71,3 +71,24 @@ def test_exit_2_for_a_kvoffload_error_and_a_traceback_for_a_bug(monkeypatch, cap
         monkeypatch.setattr(kvoffload.store, "inspect_store", broken)
         with pytest.raises(type(bug), match="an internal bug"):
             cli.main(["inspect", "memory://"])
+
+
+def test_inspect_reports_the_file_its_map_and_what_it_can_hold(tmp_path):
+    with open_store(f"lmdb://{tmp_path}/store?capacity=8MiB") as store:
+        store.put_many([(b"a", b"x" * 10)])
+    stats = json.loads(_run("inspect", f"lmdb://{tmp_path}/store").stdout)
+    size = os.path.getsize(tmp_path / "store" / "data.mdb")
+    assert stats["file_bytes"] == size and stats["map_size"] >= size > 8 << 20, stats
+    assert stats["usable_capacity"] == stats["capacity"] == 8 << 20 and stats["disk_bytes"] > 0
+
+
+def test_inspect_refuses_a_symlinked_or_empty_data_file(tmp_path):
+    with open_store(f"lmdb://{tmp_path}/real?capacity=1MiB") as store:
+        store.put_many([(b"a", b"x")])
+    (tmp_path / "linked").mkdir()
+    os.symlink(tmp_path / "real" / "data.mdb", tmp_path / "linked" / "data.mdb")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "data.mdb").write_bytes(b"")
+    for name, message in (("linked", "is a symbolic link"), ("empty", "its data.mdb is empty")):
+        out = _run("inspect", f"lmdb://{tmp_path}/{name}")
+        assert out.returncode == 2 and message in out.stderr and out.stderr.count("\n") == 1, out.stderr

@@ -417,10 +417,15 @@ def read_stats(path: str) -> dict[str, int | str]:
     if not os.path.isabs(path):
         raise StoreConfigError(f"LMDB store path must be absolute, got {path!r} (use lmdb:///abs/dir)")
     data = os.path.join(path, DATA_FILE)
+    if os.path.islink(data):
+        raise StoreConfigError(f"{data} is a symbolic link: stores refuse one, so it is not inspected either")
     if not os.path.isfile(data):
         raise StoreConfigError(f"no LMDB store at {path!r} (it has no {DATA_FILE})")
     if not os.access(data, os.R_OK):
         raise StoreConfigError(f"cannot read {data}: permission denied")
+    file_stat = os.stat(data)
+    if file_stat.st_size == 0:
+        raise StoreConfigError(f"no LMDB store at {path!r} (its {DATA_FILE} is empty)")
     try:
         env = lmdb.open(path, readonly=True, lock=os.path.exists(os.path.join(path, LOCK_FILE)), max_dbs=8)
         try:
@@ -440,13 +445,19 @@ def read_stats(path: str) -> dict[str, int | str]:
         raise StoreConfigError(f"cannot read the LMDB store at {path!r}: {exc}") from None
     evict = (record.pop(b"evict") or b"lru").decode("ascii", "replace")
     number = {k.decode(): _U64.unpack(v)[0] if v is not None and len(v) == 8 else None for k, v in record.items()}
+    map_size = max(map_size, file_stat.st_size)  # a read-only open reports its own default, not the file's map
+    capacity = number["capacity"] or capacity_for_map(map_size)
     return {
         "url": f"lmdb://{path}",
         "format_version": number["format_version"] or 0,
-        "capacity": number["capacity"] or capacity_for_map(map_size),
+        "capacity": capacity,
+        # what the map really holds: less than `capacity` where a full disk cut the file short
+        "usable_capacity": min(capacity, capacity_for_map(map_size)),
         "entries": entries,
         "bytes_used": used if used is not None else -1,
         "map_size": map_size,
+        "file_bytes": file_stat.st_size,
+        "disk_bytes": file_stat.st_blocks * 512,  # allocated on disk (a sparse file holds less than its size)
         "evict": evict,
         "damaged_files": len(glob.glob(f"{glob.escape(data)}.damaged-*")),
     }

@@ -261,3 +261,18 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         """Finish the queued saves (bounded); the store is per process (shared_store) and closes with it."""
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
+
+
+VLLM_OFFLOADING = ("OffloadingConnector", "SimpleCPUOffloadConnector", "LMCacheMPConnector")
+
+
+def __getattr__(name: str):
+    """vLLM's `--kv-offloading-size` replaces the connector that `--kv-transfer-config` named with its own
+    offloading connector but keeps our module path, so vLLM then asks this module for its class: say
+    which option to drop, rather than a bare "not found"."""
+    if name in VLLM_OFFLOADING:
+        raise AttributeError(
+            f"kvoffload: vLLM's --kv-offloading-size replaced KVOffloadConnector with its own {name}; "
+            "use --kv-transfer-config alone for kvoffload, or --kv-offloading-size alone for vLLM's offloading"
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

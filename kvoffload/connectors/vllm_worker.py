@@ -12,7 +12,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from ..spec.layout import CacheLayout, KindsLayout
-from ..spec.vllm import check_agreement, check_tensors, from_vllm
+from ..spec.vllm import backing_buffer, check_agreement, check_tensors, from_vllm
 from ..store import shared_store
 from .jobs import Jobs, LoadDone
 from .offloader import Offloader
@@ -76,8 +76,12 @@ class _Worker:
             self.tp_rank = get_tensor_model_parallel_rank()
         except Exception:  # noqa: BLE001 - not initialised (single process): keep the config's rank
             pass
+        # One buffer and the config placed in it, however vLLM allocated the cache (`backing_buffer`).
+        raw, kv_cache_config = backing_buffer(self.kv_cache_config, kv_caches)
+        if kv_cache_config is not self.kv_cache_config:
+            log.info("KVOffloadConnector: vLLM's KV cache is in one segment per layer; pages move through one view")
         layout = from_vllm(
-            self.kv_cache_config,
+            kv_cache_config,
             model_id=self._model_id,
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
@@ -86,10 +90,7 @@ class _Worker:
             kv_caches=kv_caches,
         )  # the tensors' dim orders: fingerprint
         check_agreement(self.view, layout)  # UnsupportedLayoutError at start-up, never wrong pages later
-        check_tensors(layout, kv_caches)  # the real (CUDA) tensors lie where the config says
-        any_cache = next(iter(kv_caches.values()))
-        any_cache = any_cache[0] if isinstance(any_cache, (list, tuple)) else any_cache
-        raw = torch.empty(0, dtype=torch.uint8, device=any_cache.device).set_(any_cache.untyped_storage())
+        check_tensors(layout, kv_caches, raw)  # the real (CUDA) tensors lie where the config says
         transfer = make_transfer(raw)
         store = shared_store(self.store_url, fingerprint=layout.fingerprint)
         store.claim(self.namespace)

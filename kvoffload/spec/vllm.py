@@ -1,7 +1,10 @@
-"""The layout model from vLLM's `KVCacheConfig` (vLLM 0.32 / 0.33).
+"""The layout model from vLLM's `KVCacheConfig` (vLLM 0.32 to 0.34): the one place that bridges what
+differs between vLLM builds (spec names and fields, the backing allocation), by feature, never by version.
 
 Byte placement comes only from `kv_cache_config.kv_cache_tensors` (offset, layer stride, block stride:
-they changed between vLLM versions, so nothing here hard-codes them). Spec classes map to kinds:
+they changed between vLLM versions, so nothing here hard-codes them), placed in the one buffer pages
+are copied in and out of (`backing_buffer`: vLLM 0.34's extensible KV cache maps each layer on its own).
+Spec classes map to kinds:
   not prefix-cacheable (the kpool tail ring: CircularBufferSpec, spelled KpoolTailSpec in some builds;
   scratch; non-transferable; the flag is `prefix_cacheable` or `participates_in_prefix_caching`) -> SKIP
   MambaSpec (KDA, GDN, Mamba in align/all mode)                                  -> STATE
@@ -56,7 +59,13 @@ _CONTENT_FIELDS = (
     "cache_dtype_str",
     "cache_role",
     "mamba_type",
+    "kv_head_major_slots",
+    "state_alignment",
 )
+# Content fields newer vLLM builds added, at the value that means the bytes of builds without them (left
+# out of the page content there, so those pages keep their keys): vLLM 0.34's grouping of packed head
+# slots by KV head (H2ND) and byte alignment of each Mamba state within its page.
+_NEUTRAL_CONTENT = {"kv_head_major_slots": False, "state_alignment": 1}
 
 
 class UnsupportedLayoutError(LayoutError):
@@ -137,6 +146,8 @@ def page_content(spec, kv_cache_layout: str | None) -> str:
         try:
             value = getattr(spec, name)
         except (AttributeError, NotImplementedError):
+            continue
+        if name in _NEUTRAL_CONTENT and value == _NEUTRAL_CONTENT[name]:
             continue
         parts.append(f"{name}={_canon(value)}")
     if not hasattr(spec, "shapes"):  # an attention page: heads and tokens in the KV cache layout's order
@@ -356,8 +367,7 @@ def from_vllm(
     copy replaces uniform-type wrappers by one layer's spec and loses per-layer page sizes), and the
     tensors vLLM registers (`kv_caches`) where known: their dim orders go into the fingerprint."""
     tensors = list(kv_cache_config.kv_cache_tensors)
-    if any(getattr(t, "host_resident", False) for t in tensors):
-        raise UnsupportedLayoutError("host-resident KV cache tensors (HiSparse) are not supported by kvoffload")
+    _refuse_host_resident(tensors)
     sizes = {t.size for t in tensors}
     if len(sizes) > 1:
         raise UnsupportedLayoutError(f"kv_cache_tensors disagree on the backing allocation size: {sorted(sizes)}")
@@ -410,23 +420,105 @@ def from_vllm(
     )
 
 
+def _refuse_host_resident(tensors) -> None:
+    if any(getattr(t, "host_resident", False) for t in tensors):
+        raise UnsupportedLayoutError("host-resident KV cache tensors (HiSparse) are not supported by kvoffload")
+
+
 def _members(tensor) -> list:
     return [m for t in tensor for m in _members(t)] if isinstance(tensor, (list, tuple)) else [tensor]
 
 
-def check_tensors(layout: CacheLayout, kv_caches: dict) -> None:
+def _several_allocations(count: int) -> UnsupportedLayoutError:
+    return UnsupportedLayoutError(
+        f"vLLM's KV cache tensors live in {count} allocations; kvoffload copies pages from one backing allocation"
+    )
+
+
+def backing_buffer(kv_cache_config, kv_caches: dict) -> tuple[Any, Any]:
+    """The one byte buffer (a flat uint8 tensor) a worker's pages are copied in and out of, and
+    `kv_cache_config` placed in it. Where every tensor vLLM registers views one allocation (vLLM 0.32,
+    0.33, CPU builds, 0.34 without its extensible KV cache), that allocation is the buffer and the config
+    is returned as is. vLLM 0.34's extensible KV cache (its default on CUDA) reserves one address range
+    and maps each layer's region of a layer-outermost layout as a segment of its own: each layer's tensor
+    views its own storage, and the connector's `kv_cache_tensors` are one per layer, placed in it. Those
+    are placed again in one uint8 view spanning the segments (vLLM's `uint8_tensor_from_ptr`), each at
+    its storage's distance from the first, once every page of each is seen inside its own storage (no
+    byte between segments is ever touched); consecutive equally spaced layers become one tensor again,
+    so the regions (and the layout fingerprint) are those of the same cache allocated in one piece."""
+    import copy
+    from dataclasses import replace
+
+    import torch
+
+    _refuse_host_resident(kv_cache_config.kv_cache_tensors)  # they live outside the device allocation
+    storages: dict[int, Any] = {}
+    storage_of: dict[str, set[int]] = {}
+    devices = set()
+    for name, tensor in kv_caches.items():
+        for member in _members(tensor):
+            storage = member.untyped_storage()
+            storages.setdefault(storage.data_ptr(), storage)
+            storage_of.setdefault(name, set()).add(storage.data_ptr())
+            devices.add(member.device)
+    if not storages:
+        raise UnsupportedLayoutError("vLLM registered no KV cache tensors")
+    (device, *others) = devices
+    if len(storages) == 1:
+        return torch.empty(0, dtype=torch.uint8, device=device).set_(next(iter(storages.values()))), kv_cache_config
+    try:
+        from vllm.utils.extensible_tensor import uint8_tensor_from_ptr  # vLLM 0.34+: the extensible KV cache
+    except ImportError:
+        raise _several_allocations(len(storages)) from None
+    if others or device.type != "cuda":
+        raise _several_allocations(len(storages))
+    base = min(storages)
+    end = max(ptr + storage.nbytes() for ptr, storage in storages.items())
+    placed: list[Any] = []
+    for t in kv_cache_config.kv_cache_tensors:
+        ptrs = set().union(*(storage_of.get(name, {-1}) for name in t.layers))
+        ptr = ptrs.pop() if len(ptrs) == 1 else -1
+        if ptr not in storages:
+            raise UnsupportedLayoutError(f"layers {t.layers[:3]}: not in one registered KV cache allocation")
+        reach = t.offset + (len(t.layers) - 1) * t.layer_stride + kv_cache_config.num_blocks * t.block_stride
+        if reach > storages[ptr].nbytes():
+            raise UnsupportedLayoutError(
+                f"layers {t.layers[:3]}: pages reach byte {reach} of an allocation of {storages[ptr].nbytes()}"
+            )
+        t = replace(t, offset=ptr - base + t.offset, size=end - base)
+        last = placed[-1] if placed else None
+        step = t.offset - (last.offset + (len(last.layers) - 1) * last.layer_stride) if last else 0
+        if (
+            last is not None
+            and step > 0
+            and t.block_stride == last.block_stride
+            and (len(last.layers) == 1 or last.layer_stride == step)
+            and (len(t.layers) == 1 or t.layer_stride == step)
+        ):
+            placed[-1] = replace(last, layers=[*last.layers, *t.layers], layer_stride=step)
+        else:
+            placed.append(t)
+    rebased = copy.copy(kv_cache_config)
+    rebased.kv_cache_tensors = placed
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return uint8_tensor_from_ptr(base, end - base, index), rebased
+
+
+def check_tensors(layout: CacheLayout, kv_caches: dict, buffer=None) -> None:
     """Refuse a layout the tensors vLLM really registered contradict: every tensor must live in the one
-    backing allocation the transfer copies from, have a dim of `num_blocks` blocks at the layout's block
-    stride, and keep every byte of a block inside the bytes stored for that layer's page. Derived from
-    `kv_cache_config` alone, the layout could otherwise miss an attention backend's real placement
-    (a K/V split outside the block, another stride order) and store pages that are not the KV."""
+    backing allocation the transfer copies from (`buffer`, from `backing_buffer`, where given), have a
+    dim of `num_blocks` blocks at the layout's block stride, and keep every byte of a block inside the
+    bytes stored for that layer's page. Derived from `kv_cache_config` alone, the layout could otherwise
+    miss an attention backend's real placement (a K/V split outside the block, another stride order) and
+    store pages that are not the KV."""
     members = {name: _members(t) for name, t in kv_caches.items()}
-    bases = {m.untyped_storage().data_ptr() for ms in members.values() for m in ms}
-    if len(bases) > 1:
-        raise UnsupportedLayoutError(
-            f"vLLM's KV cache tensors live in {len(bases)} allocations; kvoffload "
-            "copies pages from one backing allocation"
-        )
+    if buffer is None:
+        bases = {m.untyped_storage().data_ptr() for ms in members.values() for m in ms}
+        if len(bases) > 1:
+            raise _several_allocations(len(bases))
+        base = next(iter(bases), 0)
+    else:
+        base = buffer.data_ptr()
     problems = []
     for group in layout.groups:
         for region in group.regions:
@@ -434,7 +526,7 @@ def check_tensors(layout: CacheLayout, kv_caches: dict) -> None:
                 page = region.page_offset(layer, 0)
                 for t in members.get(name, ()):
                     size = t.element_size()
-                    start = t.storage_offset() * size
+                    start = t.data_ptr() - base
                     dims = [
                         d
                         for d in range(t.dim())

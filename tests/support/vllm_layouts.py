@@ -7,8 +7,9 @@ Every config returned here is produced by vLLM's own planner, the same calls
 * ``vllm.v1.attention.backends.utils.get_supported_kv_cache_layouts`` /
   ``resolve_kv_cache_layout`` (layout chosen from the real backends' declared
   layouts and the specs)
-* ``vllm.v1.core.kv_cache_utils.get_kv_cache_configs`` (grouping + packing;
-  internally ``get_kv_cache_groups`` + ``get_kv_cache_config_from_groups``)
+* ``get_kv_cache_configs`` (grouping + packing; ``vllm.v1.core.kv_cache_planning``
+  from vLLM 0.33, given the model-wide groups of ``get_global_kv_cache_groups``
+  as the engine core passes them; ``vllm.v1.core.kv_cache_utils`` in 0.32)
 * ``generate_scheduler_kv_cache_config``, ``resolve_kv_cache_block_sizes``,
   ``resolve_cache_hit_alignment_tokens`` (hash block size / hit alignment)
 
@@ -61,6 +62,7 @@ class _ModelConfigStub:
     use_mla: bool = False
     is_hybrid: bool = True
     architecture: str = "stub"
+    supports_kv_cache_grouping: bool = False  # vLLM 0.33+ grouping: no model of vLLM's declares its own
 
     @property
     def original_max_model_len(self) -> int:
@@ -137,6 +139,17 @@ def _align_hybrid_block_size(
         cc.mamba_page_size_padded = attn_page
 
 
+def _kv_cache_configs(vllm_config, specs: list, available: list):
+    """vLLM's grouping and packing, wherever the build keeps it (see the module docstring)."""
+    try:
+        from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    except ImportError:  # vLLM 0.32
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+        return get_kv_cache_configs(vllm_config, specs, available)
+    return get_kv_cache_configs(vllm_config, specs, available, get_global_kv_cache_groups(vllm_config, specs))
+
+
 def _plan(vllm_config, specs: dict, backends: list, before_plan=None):
     """Run the engine core's KV-cache planning sequence; return worker 0's
     KVCacheConfig. ``before_plan(vllm_config)``, if given, runs first (a test
@@ -144,7 +157,6 @@ def _plan(vllm_config, specs: dict, backends: list, before_plan=None):
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_utils import (
         generate_scheduler_kv_cache_config,
-        get_kv_cache_configs,
         resolve_cache_hit_alignment_tokens,
         resolve_kv_cache_block_sizes,
     )
@@ -159,7 +171,7 @@ def _plan(vllm_config, specs: dict, backends: list, before_plan=None):
 
     # Memory is irrelevant: num_gpu_blocks_override pins num_blocks.
     available = [1 << 44]
-    kv_cache_configs = get_kv_cache_configs(vllm_config, [specs], available)
+    kv_cache_configs = _kv_cache_configs(vllm_config, [specs], available)
     for cfg in kv_cache_configs:
         cfg.kv_cache_layout = vllm_config.cache_config.kv_cache_layout
 

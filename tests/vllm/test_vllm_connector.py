@@ -389,3 +389,19 @@ def test_a_queued_requests_prefix_is_prefetched_from_disk(qwen_dir, tmp_path, pr
         assert store["prefetched"] > 0 and store["memory_hits"] > 0
     else:  # the load itself found memory empty and promoted what it read from disk
         assert store["prefetched"] == 0 and store["memory_hits"] == 0 and store["promotions"] > 0
+
+
+def test_kv_offloading_size_beside_our_connector_names_the_option_to_drop(llama_dir):
+    """vLLM's `--kv-offloading-size` wins over `--kv-transfer-config` (it swaps in its own connector and
+    keeps our module path); asking our module for vLLM's class then says which of the two to drop."""
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    with pytest.raises(AttributeError) as raised:
+        config = VllmConfig(model_config=ModelConfig(llama_dir, dtype="float32", skip_tokenizer_init=True),
+                            cache_config=CacheConfig(kv_offloading_size=1.0),
+                            kv_transfer_config=KVTransferConfig(**connector("memory://?capacity=64MiB")))
+        assert config.kv_transfer_config.kv_connector in ("OffloadingConnector", "SimpleCPUOffloadConnector")
+        KVConnectorFactory.get_connector_class(config.kv_transfer_config)
+    chain = [raised.value, raised.value.__cause__]
+    assert any("use --kv-transfer-config alone for kvoffload, or --kv-offloading-size alone" in str(e) for e in chain)

@@ -143,6 +143,14 @@ def _runs(model: Model, tmp) -> dict:
         out["memory_audit"] = engine.call("audit")
         out["memory_log"] = engine.log_text()
 
+    if model.name == "llama":  # sized by vLLM's own memory profiling: vLLM 0.34's extensible KV cache
+        with model.engine("memory://?capacity=1GiB", kv_cache_memory_bytes=None, gpu_memory_utilization=0.1) as engine:
+            out["extensible_cold_p1"] = _generate(engine, [p1])[0]
+            _reset(engine)
+            out["extensible_p1"] = _generate(engine, [p1])[0]
+            out["extensible_audit"] = engine.call("audit")
+            out["extensible_segments"] = "one segment per layer" in engine.log_text()
+
     tiered = f"tiered://?memory=2GiB&lmdb={tmp}/tiered&lmdb_capacity=2GiB"
     small = {"num_gpu_blocks_override": model.preempt_blocks} if model.preempt_blocks else {}
     with model.engine(tiered, **small) as engine:
@@ -247,3 +255,18 @@ def test_glm_layout_and_bytes_per_token_match_the_footprint(runs):
                       "stored_bytes_per_token": audit["stored_bytes_per_block"] / audit["block_size"],
                       "footprint_bytes_per_token": expected / audit["block_size"],
                       "loaded_pages": audit["loaded_pages"], "restart_loaded": runs["restart_audit"]["loaded_pages"]}))
+
+
+def test_vllms_own_memory_sizing_and_its_extensible_kv_cache(runs):
+    """No kv_cache_memory_bytes: vLLM sizes the cache itself, and vLLM 0.34 then maps each layer as a
+    segment of its own (its extensible KV cache, on by default on CUDA): pages equal, tokens equal."""
+    if "extensible_p1" not in runs:
+        pytest.skip("llama-shaped model only")
+    from importlib.metadata import version
+
+    warm, audit = runs["extensible_p1"], runs["extensible_audit"]
+    assert _served(warm) > 0 and warm["tokens"] == runs["extensible_cold_p1"]["tokens"] == runs["cold_p1"]["tokens"]
+    loaded = sum(audit["loaded_pages"].values())
+    assert loaded > 0 and audit["mismatches"] == [] and audit["equal_to_store"] == audit["equal_to_saved"] == loaded
+    if tuple(int(x) for x in version("vllm").split(".")[:2]) >= (0, 34):
+        assert runs["extensible_segments"], "vLLM 0.34 with its own sizing: the extensible KV cache"

@@ -37,6 +37,8 @@ env: $(VENV)/.complete
 	@# the environment is shared by clones: point its editable install at this one, every time
 	@python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . \
 		>$(VENV).install.log 2>&1 || { tail -n 20 $(VENV).install.log; exit 1; }
+	@# .venv: the environment's usual name in a clone (`. .venv/bin/activate`)
+	@ln -sfn $(VENV) .venv
 
 $(VENV)/.complete:
 	PYTHON=$(PYTHON) TORCH_SPEC='$(TORCH_SPEC)' TORCH_INDEX='$(TORCH_INDEX)' scripts/setup-env.sh $(VENV)

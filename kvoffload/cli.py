@@ -1,29 +1,41 @@
 """The `kvoffload` command: `demo` (the main job of `make demo`), `verify` (cold/warm proof on the
-bundled GLM runner), `bench` (offload benchmarks) and `inspect` (a store's statistics)."""
+bundled GLM runner), `bench` (offload benchmarks), `inspect` (a store's statistics), `vllm` (vLLM's own
+command line on every vLLM build) and `write-model` (a small model to serve on a CPU)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .errors import INPUT_ERRORS, KVOffloadError
+from .paths import bench_results_dir
 
-BENCHMARKS = {
-    "store": "store",
-    "footprint": "footprint",
-    "ttft": "ttft",
-    "transfer": "transfer",
-    "vllm-ttft": "vllm_ttft",
-    "overhead": "overhead",
-    "redis": "redis_tier",
-    "faults": "faults",
-    "datapath": "datapath",
-    "stall": "stall",
-    "trace": "trace",
-    "prefetch": "prefetch",
-    "warmstart": "warmstart",
-}  # name -> kvoffload.bench module
+BENCHMARKS = {  # name -> (kvoffload.bench module, what it measures)
+    "store": ("store", "memory and LMDB put/get GB/s against memcpy and raw file I/O"),
+    "footprint": ("footprint", "bytes stored per token, by group, for the GLM presets and TP sizes"),
+    "ttft": ("ttft", "bundled runner: cold vs warm time to first token from memory and LMDB"),
+    "transfer": ("transfer", "device <-> host page movement against a raw pinned copy"),
+    "vllm-ttft": ("vllm_ttft", "vLLM engine: cold and warm TTFT, every tier and vLLM's own connectors"),
+    "overhead": ("overhead", "vLLM engine: step time with the connector and no hits"),
+    "redis": ("redis_tier", "Redis tier GB/s against raw pipelined SET/GET"),
+    "faults": ("faults", "LMDB fault campaign: killed writers, damaged files, contention"),
+    "datapath": ("datapath", "save/load through the real tiers against raw copies and reads (GPU)"),
+    "stall": ("stall", "vLLM engine: decode-step stalls while another request's prefix moves"),
+    "trace": ("trace", "cache and retention policies on a synthetic multi-turn trace"),
+    "prefetch": ("prefetch", "vLLM engine: a queued request's prefix prefetched from LMDB"),
+    "warmstart": ("warmstart", "a restarted process's first restore against a raw copy (GPU)"),
+}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvoffload")
+    except PackageNotFoundError:  # run from a checkout that is not installed
+        return "(not installed)"
 
 
 def _refuse(exc: Exception) -> int:
@@ -91,7 +103,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     from .bench.common import write_result
 
-    module = importlib.import_module(f"kvoffload.bench.{BENCHMARKS[args.name]}")
+    module = importlib.import_module(f"kvoffload.bench.{BENCHMARKS[args.name][0]}")
     options: dict = {}
     for flag, value, default in (("device", args.device, "cpu"), ("eager", args.eager, False)):
         if value != default:
@@ -117,8 +129,31 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _vllm(args: list[str]) -> int:
+    from .tools.vllm_cli import main as vllm_main
+
+    return vllm_main(args)
+
+
+WRITE_MODEL_LAYERS_MAX = 64  # a few MB each; enough for any example
+
+
+def _write_model(args: argparse.Namespace) -> int:
+    from .bench.vllm_models import tiny_llama
+
+    if args.layers > WRITE_MODEL_LAYERS_MAX:
+        raise BenchOptionError(f"--layers {args.layers}: at most {WRITE_MODEL_LAYERS_MAX}")
+    path = tiny_llama(os.path.abspath(args.dir), num_hidden_layers=args.layers)
+    print(f"{path}: a float32 LlamaForCausalLM with random weights, {args.layers} layers, vocab 512, no tokenizer")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["vllm"]:  # every later argument is vLLM's, options included
+        return _vllm(argv[1:])
     parser = argparse.ArgumentParser(prog="kvoffload", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="cold run, offload to LMDB, restart, warm run, report")
     demo.add_argument("--store", help="store URL (default: LMDB under ~/.cache/kvoffload/demo-store)")
@@ -167,10 +202,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     ver.add_argument("--quiet", action="store_true", help="no progress output")
     ver.set_defaults(func=_verify)
-    bench = sub.add_parser("bench", help="offload benchmarks with same-run baselines (JSON)")
-    bench.add_argument("name", choices=list(BENCHMARKS))
+    bench = sub.add_parser(
+        "bench",
+        help="offload benchmarks with same-run baselines (JSON)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="benchmarks:\n" + "\n".join(f"  {name:<10} {what}" for name, (_, what) in BENCHMARKS.items()),
+    )
+    bench.add_argument("name", choices=list(BENCHMARKS), metavar="NAME", help="the benchmark (listed below)")
     bench.add_argument("--quick", action="store_true", help="small sizes: checks the benchmark, not the machine")
-    bench.add_argument("--out", default="bench/results", help="directory for the JSON result (default bench/results)")
+    bench.add_argument(
+        "--out",
+        default=bench_results_dir(),
+        help="directory for the JSON result and plot (default %(default)s; the project's own figures are "
+        "written with --out bench/results)",
+    )
     bench.add_argument("--json", action="store_true", help="print the result JSON instead of progress")
     bench.add_argument(
         "--device",
@@ -187,6 +232,15 @@ def main(argv: list[str] | None = None) -> int:
     inspect = sub.add_parser("inspect", help="print a store's statistics as JSON")
     inspect.add_argument("url", help="store URL, e.g. lmdb:///var/cache/kvoffload")
     inspect.set_defaults(func=_inspect)
+    sub.add_parser(  # listed for --help; main() hands its arguments to vLLM before parsing
+        "vllm",
+        help="vLLM's command line (e.g. kvoffload vllm serve MODEL ...), on the CUDA wheel and the CPU build",
+        add_help=False,
+    )
+    model = sub.add_parser("write-model", help="write a small llama model (random weights) to serve on a CPU")
+    model.add_argument("dir", help="the model directory to write")
+    model.add_argument("--layers", type=_count, default=2, help="hidden layers (default 2)")
+    model.set_defaults(func=_write_model)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

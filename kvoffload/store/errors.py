@@ -8,6 +8,10 @@ class StoreConfigError(ConfigError):
     """A store URL, option or directory that cannot work (bad scheme, size, path, permissions)."""
 
 
+class KeyTooLongError(StoreError, ValueError):
+    """A key longer than the tier takes (LMDB's is 511 bytes): shorten it, e.g. hash it."""
+
+
 class EntryTooLargeError(StoreError, ValueError):
     """A value larger than the tier's whole capacity: it could never be stored."""
 

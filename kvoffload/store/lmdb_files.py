@@ -109,7 +109,10 @@ def prepare_directory(path: str) -> None:
         raise StoreConfigError(f"cannot create LMDB store directory {path!r}: {exc.strerror}") from None
     if not os.path.isdir(path):
         raise StoreConfigError(f"LMDB store path {path!r} exists and is not a directory")
-    _tighten(path, 0o700, "store directory")
+    if os.statvfs(path).f_flag & os.ST_RDONLY:
+        raise StoreConfigError(f"LMDB store directory {path!r} is on a read-only filesystem")
+    # every refusal before any change: a store directory that cannot be used is left as it was found
+    files = []
     for name in (DATA_FILE, LOCK_FILE):
         file = os.path.join(path, name)
         try:
@@ -123,7 +126,7 @@ def prepare_directory(path: str) -> None:
             )
         if not os.access(file, os.R_OK | os.W_OK):
             raise StoreConfigError(f"cannot read and write {file}: permission denied (fix its owner or mode)")
-        _tighten(file, 0o600, "store file")
+        files.append(file)
     probe = os.path.join(path, f".write-probe-{os.getpid()}")
     try:
         with open(probe, "wb"):
@@ -131,6 +134,9 @@ def prepare_directory(path: str) -> None:
         os.unlink(probe)
     except OSError as exc:
         raise StoreConfigError(f"LMDB store directory {path!r} is not writable: {exc.strerror}") from None
+    _tighten(path, 0o700, "store directory")
+    for file in files:
+        _tighten(file, 0o600, "store file")
 
 
 def _tighten(path: str, mode: int, what: str) -> None:

@@ -22,10 +22,16 @@ _UNITS = {
     "gb": 1000**3,
     "t": 1000**4,
     "tb": 1000**4,
+    "p": 1000**5,
+    "pb": 1000**5,
+    "e": 1000**6,
+    "eb": 1000**6,
     "kib": 1024,
     "mib": 1024**2,
     "gib": 1024**3,
     "tib": 1024**4,
+    "pib": 1024**5,
+    "eib": 1024**6,
 }
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$", re.ASCII)  # no nan, inf or exponents
 MAX_SIZE = 2**63 - 1  # what LMDB's map size, mmap and C sizes take

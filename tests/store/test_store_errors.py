@@ -1,6 +1,7 @@
 """Bad URLs, directories and options fail at open with a message that says what to change."""
 
 import os
+import subprocess
 import stat
 
 import lmdb
@@ -34,6 +35,9 @@ def test_sizes():
     assert parse_size("1.5GB") == 1_500_000_000
     assert parse_size("512") == 512
     assert parse_size("64 MiB") == 64 << 20
+    assert parse_size("1PiB") == 1 << 50 and parse_size("2PB") == 2 * 10**15 and parse_size("7EiB") == 7 << 60
+    with pytest.raises(StoreConfigError, match="too large: at most .* bytes \\(8 EiB\\)"):
+        parse_size("8EiB")
 
 
 def test_path_that_is_a_file(tmp_path):
@@ -51,6 +55,18 @@ def test_unwritable_directory(tmp_path):
     # /proc/self is a directory nobody (not even root) can create files in.
     with pytest.raises(StoreConfigError, match="not writable|readable by others"):
         open_store("lmdb:///proc/self")
+
+
+def test_a_read_only_filesystem_is_named_as_such(tmp_path):
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a read-only tmpfs here")
+    try:
+        with pytest.raises(StoreConfigError, match="is on a read-only filesystem"):
+            open_store(f"lmdb://{mount}?capacity=1MiB")
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
 
 
 def test_store_directory_is_private(tmp_path):

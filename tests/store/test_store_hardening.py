@@ -19,7 +19,8 @@ import pytest
 
 from conftest import subprocess_env
 from kvoffload import open_store
-from kvoffload.store import EntryTooLargeError, StoreConfigError
+from kvoffload.errors import KVOffloadError
+from kvoffload.store import EntryTooLargeError, KeyTooLongError, StoreConfigError
 from kvoffload.store.lmdb_store import entry_charge
 
 MiB = 1 << 20
@@ -178,9 +179,25 @@ def test_a_batch_larger_than_the_store_reports_its_own_evicted_entries(tmp_path,
 def test_a_key_over_the_lmdb_limit_refuses_the_batch_in_every_tier(tmp_path):
     for url in (f"lmdb://{tmp_path}/db?capacity=1MiB", f"tiered://?memory=1MiB&lmdb={tmp_path}/t&lmdb_capacity=1MiB"):
         with open_store(url) as store:
-            with pytest.raises(ValueError, match="key is longer"):
+            with pytest.raises(KeyTooLongError, match="600-byte key is longer"):  # a ValueError too
                 store.put_many([(b"fine", b"1"), (b"k" * 600, b"2")])
             assert store.get(b"fine") is None and store.get(b"k" * 600) is None
+
+
+def test_a_key_too_long_is_a_kvoffload_error_and_a_value_error():
+    assert issubclass(KeyTooLongError, KVOffloadError) and issubclass(KeyTooLongError, ValueError)
+
+
+def test_a_refused_store_directory_is_left_as_it_was_found(tmp_path):
+    """A directory that cannot become a store (here: a symlinked data file) keeps its mode: no chmod
+    before the refusal."""
+    path = tmp_path / "shared"
+    path.mkdir()
+    os.chmod(path, 0o755)
+    os.symlink(tmp_path / "elsewhere", path / "data.mdb")
+    with pytest.raises(StoreConfigError, match="symlink"):
+        open_store(f"lmdb://{path}?capacity=1MiB")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o755
 
 
 # -- 4. accounting from the stored records, not from a header ---------------------------------------

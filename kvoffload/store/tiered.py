@@ -36,10 +36,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import numpy as np
 
-from .base import Lease, Reservation, Store, check_keys
+from .base import HeldBatch, Lease, Reservation, Store, check_keys
 from .buffers import Buffer
 from .tiered_admission import Admission, write_options
 from .tiered_behind import DEFAULT_BEHIND_AGE, WriteBehind, default_behind_bytes
@@ -289,6 +290,29 @@ class TieredStore(Store):
             )
         return leases
 
+    def acquire_batch(self, keys: Sequence[bytes], *, touch: bool = True) -> HeldBatch:
+        """A batch the memory front holds whole (a warm restore): the front's own batch, by address, one
+        handle and no lease per value. Otherwise (a page to promote from the back tier first): `acquire`'s
+        leases, as any tier's."""
+        keys = list(keys)
+        if not all(self.front.contains_many(keys)):
+            return super().acquire_batch(keys, touch=touch)
+        held = self.front.acquire_batch(keys, touch=touch)
+        if not held.addresses.all():  # evicted between the two looks: the general path
+            self.front.release_batch(held)
+            return super().acquire_batch(keys, touch=touch)
+        if touch:
+            if self.admit > 1:
+                self._admit(keys, put=False)
+            self._count(hits=len(keys), get_bytes=int(held.sizes.sum()), memory_hits=len(keys))
+        return held._replace(handle=_FrontBatch(held))
+
+    def release_batch(self, held: HeldBatch) -> None:
+        if isinstance(held.handle, _FrontBatch):
+            self.front.release_batch(held.handle.held)
+        else:
+            super().release_batch(held)
+
     def _read_back(
         self,
         keys: Sequence[bytes],
@@ -407,3 +431,9 @@ class TieredStore(Store):
         self._readers.shutdown(wait=True)
         self.front.close()
         self.back.close()
+
+
+class _FrontBatch(NamedTuple):
+    """`TieredStore.acquire_batch`'s handle for a batch its memory front holds."""
+
+    held: HeldBatch

@@ -450,3 +450,31 @@ def test_admission_writes_a_value_behind_only_on_its_nth_use(gated):
     plain, plain_back = gated()
     assert all(plain.put_many(list(items.items()))) and plain.flush(WAIT)
     assert sorted(plain_back.written()) == sorted(items)  # admit=1 (default): everything goes behind
+
+
+def _at(address: int, size: int) -> bytes:
+    import ctypes
+
+    return ctypes.string_at(address, size)
+
+
+def test_a_batch_held_whole_by_the_memory_front_is_the_fronts_own(tmp_path):
+    """A warm restore from tiered:// holds its batch in the memory front by address, one handle, as a
+    memory:// store does; a batch with a page only the back tier has takes the general path (promotion),
+    same bytes either way, and every hold is given back."""
+    with open_store(f"tiered://?memory=4MiB&lmdb={tmp_path}/db&lmdb_capacity=8MiB&write=through") as store:
+        values = {b"k%d" % i: bytes([i]) * (1000 + i) for i in range(6)}
+        assert all(store.put_many(list(values.items())))
+        held = store.acquire_batch(list(values))
+        assert type(held.handle).__name__ == "_FrontBatch" and store.front.stats()["held"] == 6
+        assert [_at(a, s) for a, s in zip(held.addresses.tolist(), held.sizes.tolist())] == list(values.values())
+        store.release_batch(held)
+        assert store.front.stats()["held"] == 0 and store.stats()["memory_hits"] == 6
+        store.front.delete(b"k2")  # now only on disk
+        held = store.acquire_batch([b"k1", b"k2", b"missing"])
+        assert type(held.handle).__name__ != "_FrontBatch"
+        assert held.addresses[2] == 0 and held.sizes[2] == 0
+        assert [_at(a, s) for a, s in zip(held.addresses[:2].tolist(), held.sizes[:2].tolist())] == [
+            values[b"k1"], values[b"k2"]]
+        store.release_batch(held)
+        assert store.front.stats()["held"] == 0 and store.stats()["disk_hits"] == 1

@@ -130,18 +130,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         events = bool(events_config is not None and events_config.enable_kv_cache_events)
         if role == KVConnectorRole.SCHEDULER:
             workers = max(int(getattr(parallel, "world_size", 1) or 1), 1)
-            self.connector_scheduler = _Scheduler(
-                self.view,
-                self.chain,
-                self.store_url,
-                self.tp_size,
-                workers,
-                self.namespace,
-                spec=config.spec,
-                max_blocks=config.max_blocks,
-                prefetch=config.prefetch_budget != 0,
-                retention=config.retention,
-            )
+            self.connector_scheduler = _Scheduler(self.view, self.chain, config, self.tp_size, workers)
             if events:  # vLLM drains take_events every step
                 self.connector_scheduler.enable_events(
                     getattr(kv_cache_config, "hash_block_size", None) or self.block_size
@@ -150,14 +139,12 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self.connector_worker = _Worker(
                 kv_cache_config,
                 self.view,
-                self.store_url,
+                config,
                 f"{model_id}#{self.model_identity}",
                 self.tp_rank,
                 self.tp_size,
-                self.namespace,
                 dcp_size=dcp_size,
                 share_replicas=share,
-                prefetch_budget=config.prefetch_budget,
                 report_evictions=events,
             )
 

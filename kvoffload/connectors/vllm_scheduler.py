@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from ..spec import KeyChain, request_salt
 from ..spec.layout import KindsLayout
-from ..store import StoreSpec, parse_store_url, shared_store
+from ..store import StoreSpec, shared_store
 from ..store.url import redact_url
 from .plan import Page, hit_and_junction, hit_blocks, in_flight_keys, plan_save, rank_free
-from .retention import DEFAULT, StateRetention
+from .vllm_config import ConnectorConfig
 from .vllm_events import KVEvents, medium_for
 from .vllm_messages import KVOffloadMetadata, LoadJob, PrefetchJob, SaveJob, StoredPages
 
@@ -69,16 +69,22 @@ class _MirrorIndex:
         return found
 
 
-def _mirror_for(spec: StoreSpec, workers: int) -> _MirrorIndex | None:
-    """A memory tier lives in each worker process, so the scheduler mirrors them (together) from the
-    workers' reports: a memory:// store, and the memory front of a tiered:// store with admit > 1, where
-    a page waits there for the use that admits it to the back tier. The back tier (LMDB, Redis) is read
-    directly by the scheduler process; with admit=1 every page goes behind, so that is enough."""
+def mirrored_tier(spec: StoreSpec) -> _ProcessMemory | None:
+    """The memory tier the scheduler mirrors from the workers' reports, as it lives in each worker
+    process: a memory:// store, and the memory front of a tiered:// store with admit > 1, where a page
+    waits there for the use that admits it to the back tier. The back tier (LMDB, Redis) is read directly
+    by the scheduler process; with admit=1 every page goes behind, so that is enough: None, and the
+    workers then report no written keys."""
     local = spec.memory_front if spec.admit > 1 else spec
     if local is None or not local.process_local:
         return None
-    memory = cast(_ProcessMemory, local)  # only a memory tier lives in one process: it has both
-    return _MirrorIndex(workers * memory.capacity, memory.evict)
+    return cast(_ProcessMemory, local)  # only a memory tier lives in one process: it has both
+
+
+def _mirror_for(spec: StoreSpec, workers: int) -> _MirrorIndex | None:
+    """The mirror of every worker's `mirrored_tier` together, or None."""
+    memory = mirrored_tier(spec)
+    return None if memory is None else _MirrorIndex(workers * memory.capacity, memory.evict)
 
 
 class _ProcessMemory(Protocol):
@@ -112,24 +118,13 @@ class _PinnedJob:
 class _Scheduler:
     """The scheduler process's half: plans on `layout` (kinds only), keys requests with `chain`."""
 
-    def __init__(
-        self,
-        layout: KindsLayout,
-        chain: KeyChain,
-        store_url: str,
-        tp_size: int,
-        workers: int,
-        namespace: str = "vllm",
-        *,
-        spec: StoreSpec | None = None,
-        max_blocks: int | None = None,
-        prefetch: bool = False,
-        retention: StateRetention = DEFAULT,
-    ):
-        """`spec`: `store_url` as the connector's configuration parsed it (parsed here when absent);
-        `max_blocks`: a request's keys (hence its saves and hits) stop after this many prompt blocks;
-        `prefetch`: queued requests' stored prefixes are promoted into the workers' memory tier;
-        `retention`: the block boundaries whose STATE hand-offs are saved (`retention`)."""
+    def __init__(self, layout: KindsLayout, chain: KeyChain, config: ConnectorConfig, tp_size: int, workers: int):
+        """`config`: the connector's (its store, namespace, `max_saved_blocks`: a request's keys, hence
+        its saves and hits, stop after so many prompt blocks; `prefetch_bytes`: queued requests' stored
+        prefixes are promoted into the workers' memory tier; `state_retention`: the block boundaries
+        whose STATE hand-offs are saved); `workers`: the engine's worker processes."""
+        store_url, namespace, spec = config.store, config.namespace, config.spec
+        max_blocks, prefetch, retention = config.max_blocks, config.prefetch_budget != 0, config.retention
         self.max_blocks, self.prefetch, self.retention = max_blocks, prefetch, retention
         self._arrived: list[Request] = []  # added since the last step (on_new_request), prefetch only
         self._prefetching: set[str] = set()  # requests with a prefetch sent to the workers, not yet ended
@@ -138,7 +133,7 @@ class _Scheduler:
         self.block_size = layout.block_size
         self.counters: Counter[str] = Counter()
         self._requests: dict[str, _RequestState] = {}
-        self._spec = spec or parse_store_url(store_url)
+        self._spec = spec
         self._mirror = _mirror_for(self._spec, workers)
         self._store_url = store_url
         if self._store is not None:  # a memory store lives in the workers; others open here, at start-up

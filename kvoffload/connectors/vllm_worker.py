@@ -19,8 +19,10 @@ from .offloader import Offloader
 from .plan import own_pages, pages_for_load
 from .prefetch import Prefetcher
 from .transfer import make_transfer
+from .vllm_config import ConnectorConfig
 from .vllm_messages import KVOffloadMetadata, StoredPages
 from .vllm_metrics import COUNTERS, KVOffloadStats
+from .vllm_scheduler import mirrored_tier
 
 log = logging.getLogger("kvoffload.connectors.vllm")
 IDLE_WAIT_S = 0.005  # at most this long per step with nothing to compute, waiting for a job's result
@@ -36,27 +38,27 @@ class _Worker:
         self,
         kv_cache_config,
         view: KindsLayout,
-        store_url: str,
+        config: ConnectorConfig,
         model_id: str,
         tp_rank: int,
         tp_size: int,
-        namespace: str = "vllm",
         *,
         dcp_size: int = 1,
         share_replicas: bool = True,
-        prefetch_budget: int | None = 0,
         report_evictions: bool = False,
     ):
-        """`prefetch_budget`: bytes its prefetch may hold for queued requests (0: none; None: a quarter
-        of the store's memory tier); `report_evictions`: KV events are enabled; report the keys the
-        store evicts (`StoredPages.evicted`)."""
-        self.kv_cache_config, self.view, self.store_url, self.namespace = kv_cache_config, view, store_url, namespace
+        """`config`: the connector's (its store and namespace; `prefetch_bytes`: what its prefetch may hold
+        for queued requests); `report_evictions`: KV events are enabled; report the keys the store evicts
+        (`StoredPages.evicted`)."""
+        self.kv_cache_config, self.view, self.store_url = kv_cache_config, view, config.store
+        self.namespace, self._prefetch_budget = config.namespace, config.prefetch_budget
+        # written keys go to the scheduler only where it mirrors a memory tier living in this process
+        self._report_written = mirrored_tier(config.spec) is not None
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self._dcp_size, self._share_replicas = dcp_size, share_replicas
         self.offloader: Offloader | None = None
         self.jobs: Jobs | None = None
         self.prefetcher: Prefetcher | None = None
-        self._prefetch_budget = prefetch_budget
         self.layout: CacheLayout | None = None
         self._saving: Counter[str] = Counter()  # request -> save jobs submitted and not done
         self._awaited: set[str] = set()  # finished requests the scheduler waits on
@@ -157,8 +159,9 @@ class _Worker:
             if self._saving[result.req_id] <= 0:
                 del self._saving[result.req_id]
             self._report.done_jobs[result.job_id] = self._report.done_jobs.get(result.job_id, 0) + 1
-            for written in result.written:
-                self._report.added[written.key] = written.group.used_bytes_per_block
+            if self._report_written:
+                for written in result.written:
+                    self._report.added[written.key] = written.group.used_bytes_per_block
         sent = {req_id for req_id in self._awaited if req_id not in self._saving}
         self._awaited -= sent
         return KVConnectorTransferResults(finished_sending=sent, finished_recving=done, failed_recving=failed)

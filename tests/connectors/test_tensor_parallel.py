@@ -73,6 +73,7 @@ def test_vllm_glm_stack_stores_replicated_groups_once_per_tp_group(tmp_path, tp)
     from support import vllm_layouts
 
     from kvoffload.connectors.vllm_messages import KVOffloadMetadata, LoadJob, SaveJob
+    from kvoffload.connectors.vllm_config import ConnectorConfig
     from kvoffload.connectors.vllm_worker import _Worker
     from kvoffload.spec.vllm import check_agreement, from_vllm, scheduler_view
     from kvoffload.store import shared_store
@@ -98,7 +99,7 @@ def test_vllm_glm_stack_stores_replicated_groups_once_per_tp_group(tmp_path, tp)
     def workers():
         out = []
         for rank in range(tp):
-            worker = _Worker(cfg, view, url, "m", rank, tp)
+            worker = _Worker(cfg, view, ConnectorConfig(store=url), "m", rank, tp)
             caches = allocate_kv_cache(cfg, torch.device("cpu"), KVCacheLayout[cfg.kv_cache_layout])
             worker.register_kv_caches(caches)
             any_cache = next(iter(caches.values()))

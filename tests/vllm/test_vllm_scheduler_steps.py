@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("vllm.distributed")
 
+from kvoffload.connectors.vllm_config import ConnectorConfig  # noqa: E402
 from kvoffload.connectors.vllm_scheduler import _Scheduler  # noqa: E402
 from kvoffload.spec import GroupKind, KeyChain  # noqa: E402
 from kvoffload.spec.layout import KindsGroup, KindsLayout  # noqa: E402
@@ -39,7 +40,7 @@ def _output(block_state, new, cached, scheduled):
 
 def test_save_jobs_per_step_and_no_block_table_for_a_step_without_full_blocks():
     layout = KindsLayout(BLOCK, BLOCK, (GroupKind.PAGED, GroupKind.SKIP), (KindsGroup(0, GroupKind.PAGED, "kv"),))
-    sched = _Scheduler(layout, KeyChain(b"fp", BLOCK), "memory://?capacity=1MiB", 1, 1)
+    sched = _Scheduler(layout, KeyChain(b"fp", BLOCK), ConnectorConfig(store="memory://?capacity=1MiB"), 1, 1)
     prompts = {f"r{i}": list(range(100 * i, 100 * i + 3 * BLOCK + 1)) for i in range(3)}  # 3 full blocks + 1
     requests = {r: SimpleNamespace(request_id=r, prompt_token_ids=p) for r, p in prompts.items()}
     for request in requests.values():
@@ -83,12 +84,10 @@ def test_save_job_keeps_only_the_retained_state_handoffs(retention, kept):
     """vLLM hands off a KDA checkpoint at every boundary (a retention interval of one block): the save
     job holds those the connector's state_retention keeps (`retention`), every PAGED page, and counts
     the hand-offs it dropped."""
-    from kvoffload.connectors.retention import StateRetention
-
     layout = KindsLayout(BLOCK, BLOCK, (GroupKind.STATE, GroupKind.PAGED, GroupKind.SKIP),
                          (KindsGroup(0, GroupKind.STATE, "kda"), KindsGroup(1, GroupKind.PAGED, "mla")))
-    sched = _Scheduler(layout, KeyChain(b"fp", BLOCK), "memory://?capacity=1MiB", 1, 1,
-                       retention=StateRetention.parse(retention))
+    config = ConnectorConfig(store="memory://?capacity=1MiB", state_retention=retention)
+    sched = _Scheduler(layout, KeyChain(b"fp", BLOCK), config, 1, 1)
     prompt = list(range(6 * BLOCK + 1))  # longest hit: 6 blocks
     request = SimpleNamespace(request_id="r", prompt_token_ids=prompt, shared_prefix_boundary=3 * BLOCK + 2)
     assert sched.get_num_new_matched_tokens(request, 0) == (0, False)

@@ -12,7 +12,7 @@ import sys
 from .errors import INPUT_ERRORS, KVOffloadError
 from .paths import bench_results_dir
 
-BENCHMARKS = {  # name -> (kvoffload.bench module, what it measures)
+BENCHMARKS = {  # name -> (kvoffload.tools.bench module, what it measures)
     "store": ("store", "memory and LMDB put/get GB/s against memcpy and raw file I/O"),
     "footprint": ("footprint", "bytes stored per token, by group, for the GLM presets and TP sizes"),
     "ttft": ("ttft", "bundled runner: cold vs warm time to first token from memory and LMDB"),
@@ -62,7 +62,7 @@ def _progress(message: str) -> None:
 
 
 def _print_report(report: dict, as_json: bool) -> int:
-    from .demo import report_lines
+    from .tools.demo import report_lines
 
     if as_json:
         print(json.dumps(report, indent=2))
@@ -72,7 +72,7 @@ def _print_report(report: dict, as_json: bool) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .tools.demo import run_demo
 
     return _print_report(run_demo(args.store, progress=_progress), args.json)
 
@@ -82,7 +82,7 @@ VERIFY_FLAGS = ("preset", "restart", "separate", "block_size", "max_tokens", "de
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .verify import verify
+    from .tools.verify import verify
 
     same = {name: getattr(args, name) for name in VERIFY_FLAGS}
     progress = None if args.quiet else _progress
@@ -101,9 +101,9 @@ def _bench(args: argparse.Namespace) -> int:
     import importlib
     import inspect
 
-    from .bench.common import write_result
+    from .tools.bench.common import write_result
 
-    module = importlib.import_module(f"kvoffload.bench.{BENCHMARKS[args.name][0]}")
+    module = importlib.import_module(f"kvoffload.tools.bench.{BENCHMARKS[args.name][0]}")
     options: dict = {}
     for flag, value, default in (("device", args.device, "cpu"), ("eager", args.eager, False)):
         if value != default:
@@ -113,7 +113,7 @@ def _bench(args: argparse.Namespace) -> int:
     result = module.run(quick=args.quick, progress=None if args.json else _progress, **options)
     path = write_result(args.name, result, args.out)
     try:
-        from .bench.plots import plot
+        from .tools.bench.plots import plot
 
         figure = plot(result, path) if path else "no plot (no --out directory)"
     except ImportError:
@@ -139,7 +139,7 @@ WRITE_MODEL_LAYERS_MAX = 64  # a few MB each; enough for any example
 
 
 def _write_model(args: argparse.Namespace) -> int:
-    from .bench.vllm_models import tiny_llama
+    from .tools.bench.vllm_models import tiny_llama
 
     if args.layers > WRITE_MODEL_LAYERS_MAX:
         raise BenchOptionError(f"--layers {args.layers}: at most {WRITE_MODEL_LAYERS_MAX}")

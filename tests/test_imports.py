@@ -8,7 +8,8 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent  # tests/ -> the repository root
 CORE = ("kvoffload.spec", "kvoffload.store", "kvoffload.connectors")
-ABOVE = ("kvoffload.bench", "kvoffload.harness", "kvoffload.cli", "kvoffload.demo", "kvoffload.verify", "glm_integration")
+ABOVE = ("kvoffload.tools.bench", "kvoffload.tools.harness", "kvoffload.tools", "kvoffload.cli", "kvoffload.tools.demo", "kvoffload.tools.verify",
+         "glm_integration")
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -78,3 +79,15 @@ def test_the_vllm_plugin_imports_nothing_heavy():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["[]", "True"], out.stdout
+
+
+def test_the_library_and_the_vllm_connector_load_no_tools_and_no_runner():
+    """`import kvoffload`, the vLLM plugin's `register()` and the connector module vLLM loads bring in
+    neither the tools (proof, demo, benchmarks, engine harness) nor the bundled GLM runner."""
+    code = ("import sys, kvoffload, kvoffload.connectors, kvoffload.store; "
+            "import kvoffload.connectors.vllm_plugin as plugin; plugin.register(); "
+            "import kvoffload.connectors.vllm; "
+            "print(sorted(m for m in sys.modules if m.startswith(('kvoffload.tools', 'glm_integration'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

@@ -178,26 +178,26 @@ def test_store_errors_from_the_command(tiny_checkpoint, store, message):
 
 def test_a_bug_is_not_passed_off_as_bad_input(monkeypatch, tiny_checkpoint):
     """Only the input-error types are turned into exit status 2: any other ValueError is a traceback."""
-    import kvoffload.verify
+    import kvoffload.tools.verify
     from kvoffload import cli
 
     def broken(*args, **kwargs):
         raise ValueError("an internal bug")
 
-    monkeypatch.setattr(kvoffload.verify, "verify", broken)
+    monkeypatch.setattr(kvoffload.tools.verify, "verify", broken)
     with pytest.raises(ValueError, match="an internal bug"):
         cli.main(["verify", "--model", tiny_checkpoint, "--quiet"])
 
 
 def test_an_unreadable_file_is_one_line_even_as_root(monkeypatch, capsys):
     """(test_prompts_that_cannot_be_read is skipped as root, who reads anything.)"""
-    import kvoffload.verify
+    import kvoffload.tools.verify
     from kvoffload import cli
 
     def denied(*args, **kwargs):
         raise PermissionError(13, "Permission denied", "/data/prompts.txt")
 
-    monkeypatch.setattr(kvoffload.verify, "verify", denied)
+    monkeypatch.setattr(kvoffload.tools.verify, "verify", denied)
     assert cli.main(["verify", "--quiet"]) == 2
     assert capsys.readouterr().err == "kvoffload: /data/prompts.txt: Permission denied\n"
 
@@ -240,7 +240,7 @@ def test_a_preset_larger_than_the_disk_is_refused_with_yes(tmp_path):
 def test_a_failed_checkpoint_write_leaves_no_temporary_folder(tmp_path, monkeypatch):
     """A write that fails midway (a full disk, say) removes its `.tmp<pid>` folder."""
     import glm_integration.checkpoint as checkpoint
-    from kvoffload import verify
+    from kvoffload.tools import verify
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
 

@@ -13,7 +13,7 @@ from kvoffload.connectors import offloader as offloader_module
 from kvoffload.connectors import plan as plan_module
 from kvoffload.connectors.transfer import HostTransfer
 from kvoffload.spec import GroupKind
-from kvoffload.verify import verify
+from kvoffload.tools.verify import verify
 
 
 def _check_all_equal(report):
@@ -160,7 +160,7 @@ def test_verify_prompt_file_on_lmdb_and_a_reused_store(monkeypatch, tmp_path, ti
     a persistent store kept from an earlier run of the same namespace."""
     import uuid
 
-    from kvoffload import verify as verify_module
+    from kvoffload.tools import verify as verify_module
 
     _shared_prefix_prompts(tmp_path / "chat.txt")
     monkeypatch.setattr(verify_module.uuid, "uuid4", lambda: uuid.UUID(int=14))  # both runs: one namespace

@@ -219,7 +219,7 @@ def test_warmstart_benchmark_needs_a_gpu(capsys):
 def test_warmstart_reports_the_median_process_and_equal_pages_only_if_every_process_had_them():
     """A first restore happens once per process: the row is the median of its fresh processes (not the
     best), each process's figure is kept, and one process with unequal pages fails the row."""
-    from kvoffload.bench.warmstart import _median_row
+    from kvoffload.tools.bench.warmstart import _median_row
 
     runs = [
         {

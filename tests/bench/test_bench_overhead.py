@@ -5,8 +5,8 @@ import itertools
 import sys
 import time
 
-from kvoffload.bench.overhead import summarize
-from kvoffload.harness.vllm_child import _time_connector_hooks
+from kvoffload.tools.bench.overhead import summarize
+from kvoffload.tools.harness.vllm_child import _time_connector_hooks
 
 
 def test_a_hook_inside_a_hook_is_timed_once(tmp_path, monkeypatch):

@@ -223,7 +223,7 @@ def test_trace_replay_saves_checkpoints_under_the_policy(tmp_path):
     """`bench trace`'s replay: a retention row per disk set-up and policy, and under `last` the replay
     writes only the PAGED pages plus one checkpoint per request's longest hit, fewer bytes than under
     `every` (a small seeded workload; GLM-5.3-Flash's page sizes at a quarter of vLLM's block)."""
-    from kvoffload.bench import trace
+    from kvoffload.tools.bench import trace
 
     retention_rows = [p for p in trace.POLICIES if len(p) > 7]
     assert {(p[1], str(p[7])) for p in retention_rows} == {

@@ -1,4 +1,4 @@
-"""LMDB under threads x processes with a watchdog (`kvoffload.bench.faults.concurrency`): two processes
+"""LMDB under threads x processes with a watchdog (`kvoffload.tools.bench.faults.concurrency`): two processes
 each run two writer and two reader threads putting 0.25-3 MiB values into a store far smaller than what
 they write (evictions in every transaction, batches split, free pages scattered), while a third keeps
 opening the store with another capacity, writing, reading and closing it. The watchdog fails the test
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from kvoffload import open_store
-from kvoffload.bench import faults
+from kvoffload.tools.bench import faults
 from kvoffload.store.lmdb_store import entry_charge
 
 CAPACITY = 48 << 20

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from kvoffload.bench.redis_server import Server
+from kvoffload.tools.bench.redis_server import Server
 from kvoffload.store import StoreConfigError, open_store
 from kvoffload.store import redis_store
 from kvoffload.store.redis_store import NODE_RETRY_SECONDS, RedisStore
@@ -391,7 +391,7 @@ def _check_all_equal(report):
 @pytest.mark.slow
 @pytest.mark.parametrize("front", ["", "tiered"])
 def test_two_independent_runners_share_a_redis_tier(server, tiny_checkpoint, tmp_path, front):
-    from kvoffload.verify import verify
+    from kvoffload.tools.verify import verify
 
     url = f"redis://{server.address}/0?namespace=verify"
     if front:  # each process has its own (empty) memory in front of the shared Redis
@@ -403,7 +403,7 @@ def test_two_independent_runners_share_a_redis_tier(server, tiny_checkpoint, tmp
 
 @pytest.mark.slow
 def test_runner_on_a_cluster_then_with_a_node_killed(cluster, tiny_checkpoint, tmp_path):
-    from kvoffload.verify import verify
+    from kvoffload.tools.verify import verify
 
     seeds = ",".join(node.address for node in cluster)
     report = verify(f"redis+cluster://{seeds}/?namespace=verify", model_dir=tiny_checkpoint, separate=True)
@@ -420,7 +420,7 @@ def test_runner_on_a_cluster_then_with_a_node_killed(cluster, tiny_checkpoint, t
 def test_a_reshard_under_way_is_a_miss_then_the_slot_map_recovers(cluster):
     import subprocess
 
-    from kvoffload.bench.redis_server import binary
+    from kvoffload.tools.bench.redis_server import binary
 
     store = open_store(f"redis+cluster://{cluster[0].address}/?namespace=r", fingerprint=FP)
     items = _values(60, 2000)

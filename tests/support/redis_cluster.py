@@ -1,4 +1,4 @@
-"""Test support: a Redis Cluster of real `redis-server` primaries on 127.0.0.1 (kvoffload.bench.redis_server
+"""Test support: a Redis Cluster of real `redis-server` primaries on 127.0.0.1 (kvoffload.tools.bench.redis_server
 starts each one)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import time
 
-from kvoffload.bench.redis_server import Server, binary
+from kvoffload.tools.bench.redis_server import Server, binary
 
 CLUSTER_ARGS = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000",
                 "--cluster-require-full-coverage", "no")

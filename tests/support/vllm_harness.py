@@ -14,7 +14,7 @@ Models (random weights, seeded, written locally: no hub access, no tokenizer fil
                            tokens (vLLM's hybrid alignment: attention page >= mamba page).
     Both use ``skip_tokenizer_init=True`` / ``--skip-tokenizer-init`` and token-id prompts.
 
-Engine runs (through `kvoffload.bench.vllm_engine.Engine`, the benchmarks' engine driver: one
+Engine runs (through `kvoffload.tools.bench.vllm_engine.Engine`, the benchmarks' engine driver: one
 child process per engine, its `generate` and `reset` commands)
     run_generations(model_dir, kv_transfer_config, rounds, *, dtype, block_size, ...)
         ONE engine process; each round is a greedy ``LLM.generate`` over token-id prompts, with
@@ -81,8 +81,8 @@ import urllib.error
 import urllib.request
 from typing import Any, Iterator
 
-from kvoffload.harness.vllm_engine import Engine, EngineRunError, stop_group
-from kvoffload.harness.vllm_engine import child_env as engine_env
+from kvoffload.tools.harness.vllm_engine import Engine, EngineRunError, stop_group
+from kvoffload.tools.harness.vllm_engine import child_env as engine_env
 
 HARNESS = os.path.abspath(__file__)
 SUPPORT_DIR = os.path.dirname(HARNESS)
@@ -93,7 +93,7 @@ HarnessError = EngineRunError  # what a failed engine run or `vllm serve` start 
 
 
 def tiny_llama(dir: str, *, seed: int = 0, **overrides: Any) -> str:
-    from kvoffload.bench.vllm_models import tiny_llama as build
+    from kvoffload.tools.bench.vllm_models import tiny_llama as build
 
     return build(dir, seed=seed, **overrides)
 
@@ -106,7 +106,7 @@ def tiny_qwen3_next(dir: str, *, seed: int = 0, **overrides: Any) -> str:
     import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    from kvoffload.bench.vllm_models import save_model
+    from kvoffload.tools.bench.vllm_models import save_model
 
     cfg = dict(
         vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,

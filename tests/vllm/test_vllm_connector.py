@@ -167,7 +167,7 @@ def test_vllm_serve_with_the_flag(llama_dir, tmp_path):
 
 @pytest.fixture
 def redis_server(tmp_path):
-    from kvoffload.bench.redis_server import Server
+    from kvoffload.tools.bench.redis_server import Server
 
     server = Server(str(tmp_path))
     yield server
@@ -372,7 +372,7 @@ def test_a_queued_requests_prefix_is_prefetched_from_disk(qwen_dir, tmp_path, pr
     """tiered:// after a restart (memory empty, the prefix on LMDB only), one request at a time: the
     prompt added while another runs waits in vLLM's queue, and its prefix is promoted into memory
     meanwhile, so its load reads memory, not disk; tokens equal the cold run's. prefetch_bytes=0: none."""
-    from kvoffload.harness.vllm_engine import Engine
+    from kvoffload.tools.harness.vllm_engine import Engine
 
     url = store_url("tiered", tmp_path)
     config = connector(url, **({} if prefetch else {"prefetch_bytes": "0"}))

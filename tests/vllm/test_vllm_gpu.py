@@ -32,7 +32,7 @@ pytest.importorskip("vllm.distributed", reason="the GPU engine tests need vLLM's
 from support import vllm_harness as vh  # noqa: E402
 from test_vllm_connector import _flip_every_stored_page, connector  # noqa: E402
 
-from kvoffload.harness.vllm_engine import Engine  # noqa: E402
+from kvoffload.tools.harness.vllm_engine import Engine  # noqa: E402
 
 pytestmark = [pytest.mark.vllm_gpu, pytest.mark.slow]
 MAX_TOKENS = 8

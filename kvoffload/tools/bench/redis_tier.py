@@ -10,8 +10,8 @@ import tempfile
 import time
 from typing import Any
 
-from ..store import open_store
-from ..store.redis_store import RedisStore
+from ...store import open_store
+from ...store.redis_store import RedisStore
 from .common import machine, median_seconds
 from .redis_server import Server
 

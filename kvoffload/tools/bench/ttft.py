@@ -10,8 +10,8 @@ import time
 
 import torch
 
-from ..connectors.runner import RunnerConnector
-from ..store import open_store
+from ...connectors.runner import RunnerConnector
+from ...store import open_store
 from ..verify import default_model_dir
 from .common import machine
 

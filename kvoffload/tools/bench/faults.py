@@ -194,7 +194,7 @@ def kill_rounds(directory: str, rounds: int, seed: int = 0) -> dict:
         "wrong_bytes": 0,
         "unacknowledged_served": 0,
     }
-    from ..store import open_store
+    from ...store import open_store
 
     for rnd in range(rounds):
         child = _child(KILLED_WRITER, url, ack_path, str(rnd), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -243,7 +243,7 @@ def _damage(path: str, rng: random.Random) -> str:
 def corruption_trials(directory: str, trials: int, seed: int = 0) -> dict:
     """Random damage to a copy of a filled store each trial (byte flips anywhere, a garbage page,
     truncation, a deleted lock file); a child opens it, reads every key and writes once more."""
-    from ..store import open_store
+    from ...store import open_store
 
     pristine = os.path.join(directory, "pristine")
     keys = [b"c/%d" % i for i in range(24)]

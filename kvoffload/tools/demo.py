@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import sys
 
-from .paths import demo_store_url
-from .store import StoreConfigError, parse_store_url
+from ..paths import demo_store_url
+from ..store import StoreConfigError, parse_store_url
 from .verify import verify
 
 

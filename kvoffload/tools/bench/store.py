@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..store import Store, open_store
+from ...store import Store, open_store
 from .common import drop_page_cache, median_seconds, new_result
 
 FULL_SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]

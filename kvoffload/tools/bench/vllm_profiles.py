@@ -53,7 +53,7 @@ class Profile:
             "noop_connector": {
                 "kv_connector": "NoOpConnector",
                 "kv_role": "kv_both",
-                "kv_connector_module_path": "kvoffload.bench.noop_connector",
+                "kv_connector_module_path": "kvoffload.tools.bench.noop_connector",
             },
             "example_connector": {
                 "kv_connector": "ExampleConnector",

@@ -31,7 +31,7 @@ class PageAudit:
         """Attach to this process's KVOffloadConnector worker (vLLM's KV transfer group)."""
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        from ..connectors.vllm import KVOffloadConnector
+        from ...connectors.vllm import KVOffloadConnector
 
         connector = get_kv_transfer_group()
         if not isinstance(connector, KVOffloadConnector) or connector.connector_worker is None:

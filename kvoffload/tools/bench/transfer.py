@@ -16,11 +16,11 @@ from contextlib import nullcontext
 
 import torch
 
-from ..connectors.device_transfer import DeviceTransfer
-from ..connectors.plan import Page
-from ..connectors.transfer import page_spans
-from ..spec import GroupKind
-from ..store import open_store
+from ...connectors.device_transfer import DeviceTransfer
+from ...connectors.plan import Page
+from ...connectors.transfer import page_spans
+from ...spec import GroupKind
+from ...store import open_store
 from .common import median_seconds, new_result
 
 

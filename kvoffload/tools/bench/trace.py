@@ -39,11 +39,11 @@ from typing import Any, cast
 
 import numpy as np
 
-from ..connectors.plan import hit_and_junction, hit_blocks, pages_for_load, pages_for_save
-from ..connectors.retention import EVERY, StateRetention
-from ..spec import KeyChain
-from ..store import Store, open_store
-from ..store.tiered import TieredStore
+from ...connectors.plan import hit_and_junction, hit_blocks, pages_for_load, pages_for_save
+from ...connectors.retention import EVERY, StateRetention
+from ...spec import KeyChain
+from ...store import Store, open_store
+from ...store.tiered import TieredStore
 from .common import machine
 
 SCALE = 8192  # stored bytes = model bytes / SCALE (capacities too)

@@ -24,13 +24,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .connectors.plan import max_hit_blocks, pages_for_load
-from .connectors.runner import RunnerConnector
-from .errors import INPUT_ERRORS, ConfigError
-from .paths import preset_model_dir
-from .spec import GroupKind
-from .store import StoreConfigError, open_store, parse_store_url
-from .store.url import redact_url
+from ..connectors.plan import max_hit_blocks, pages_for_load
+from ..connectors.runner import RunnerConnector
+from ..errors import INPUT_ERRORS, ConfigError
+from ..paths import preset_model_dir
+from ..spec import GroupKind
+from ..store import StoreConfigError, open_store, parse_store_url
+from ..store.url import redact_url
 
 
 def builtin_longest(config, block_size: int) -> int:
@@ -498,7 +498,7 @@ def _phase_in_new_process(model_dir, store_url, namespace, cases, block_size, ma
                 f,
             )
         # progress on stderr; a session of its own: Ctrl-C stops the parent, which kills it (subprocess.run)
-        proc = subprocess.run([sys.executable, "-m", "kvoffload.verify", spec, out], start_new_session=True)
+        proc = subprocess.run([sys.executable, "-m", "kvoffload.tools.verify", spec, out], start_new_session=True)
         if proc.returncode == 2 and os.path.exists(out):  # bad input, reported here as the parent's own
             with open(out) as f:
                 raise InputError(json.load(f)["input_error"])

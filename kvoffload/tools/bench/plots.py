@@ -261,7 +261,7 @@ def plot(result: dict, json_path: str) -> str:
     return path
 
 
-if __name__ == "__main__":  # redraw figures from saved results: python -m kvoffload.bench.plots FILE.json...
+if __name__ == "__main__":  # redraw figures from saved results: python -m kvoffload.tools.bench.plots FILE.json...
     import json
     import sys
 

@@ -33,10 +33,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..connectors.device_transfer import DeviceTransfer
-from ..spec import GroupKind
-from ..store import MemoryStore, TieredStore, open_store
-from ..store.lmdb_reads import READERS
+from ...connectors.device_transfer import DeviceTransfer
+from ...spec import GroupKind
+from ...store import MemoryStore, TieredStore, open_store
+from ...store.lmdb_reads import READERS
 from .common import new_result
 from .transfer import _device_name, _median_gbps, _nbytes, _sync, pages_of
 
@@ -211,7 +211,7 @@ def _both(saver, loader, store, save_items, load_items, device) -> float:
 def _check_round_trip(cache, items, half: int) -> None:
     """The loaded blocks equal the saved ones, byte for byte (a fast path that moved the wrong bytes
     would otherwise look fast)."""
-    from ..connectors.transfer import page_spans
+    from ...connectors.transfer import page_spans
 
     for p in items[:64]:
         for (src, n), (dst, _) in zip(page_spans(p.group, p.block), page_spans(p.group, p.block + half)):
@@ -310,7 +310,7 @@ def timed_load(loader, store, items, device) -> float:
 def _lmdb_resident(cache, kinds, half: int, device, repeats: int, tmp: str) -> dict:
     """Load a prefix from `lmdb://` whose data file is in the page cache (just written), with one reader
     and with READERS threads, against a threaded raw read of the file into pinned memory."""
-    from ..store.lmdb_store import LMDBStore
+    from ...store.lmdb_store import LMDBStore
 
     items = pages_of(cache.layout, range(half), kinds, "resident/")
     nbytes = _nbytes(items)

@@ -127,7 +127,7 @@ class Engine:
         self.log = tempfile.NamedTemporaryFile(prefix="kvoffload-engine-", suffix=".log", delete=False)
         replies, self._reply_w = os.pipe()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvoffload.harness.vllm_child", json.dumps(spec), str(self._reply_w)],
+            [sys.executable, "-m", "kvoffload.tools.harness.vllm_child", json.dumps(spec), str(self._reply_w)],
             stdin=subprocess.PIPE,
             stdout=self.log,
             stderr=subprocess.STDOUT,

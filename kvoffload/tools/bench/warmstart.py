@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .common import machine
 
 CASES = ((4352, 8704), (4352, 34816), (1152, 34560), (64, 8192))  # (block, prefix tokens): vLLM TP1, TP4, runner
@@ -43,12 +43,12 @@ def _case(block_size: int, tokens: int, warm: bool, preset: str) -> dict:
     from glm_integration.cache import PagedCache
     from glm_integration.config import preset as make_preset
 
-    from ..connectors.device_transfer import DeviceTransfer
-    from ..connectors.offloader import Offloader
-    from ..connectors.plan import pages_for_load
-    from ..connectors.transfer import HostTransfer, placed_block
-    from ..spec import KeyChain
-    from ..store import open_store
+    from ...connectors.device_transfer import DeviceTransfer
+    from ...connectors.offloader import Offloader
+    from ...connectors.plan import pages_for_load
+    from ...connectors.transfer import HostTransfer, placed_block
+    from ...spec import KeyChain
+    from ...store import open_store
 
     device = torch.device("cuda")
     blocks = tokens // block_size
@@ -166,7 +166,7 @@ def run(quick: bool = False, progress=None, preset: str = "full") -> dict:
 def _fresh_process(spec: str) -> dict:
     """One case's figures, from a fresh Python process (`_case`)."""
     out = subprocess.run(
-        [sys.executable, "-m", "kvoffload.bench.warmstart", spec],
+        [sys.executable, "-m", "kvoffload.tools.bench.warmstart", spec],
         capture_output=True,
         text=True,
         check=False,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 
 from ...connectors.device_transfer import DeviceTransfer
@@ -97,15 +98,23 @@ def _workload(cache, save_items, load_items, device, repeats) -> dict:
     def on(i):
         return torch.cuda.stream(streams[i]) if gpu else nullcontext()
 
+    def raw_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        """The link's copy on a GPU; on the CPU one plain memcpy (numpy's): torch splits a large CPU copy
+        over OpenMP threads, which on a busy small machine wait for each other at a barrier (0.1 GB/s)."""
+        if gpu:
+            dst.copy_(src, non_blocking=True)
+        else:
+            np.copyto(dst.numpy(), src.numpy())
+
     def raw_save(sync=True):
         with on(0):
-            raw_host.copy_(raw_device, non_blocking=gpu)
+            raw_copy(raw_host, raw_device)
         if sync:
             _sync(device)
 
     def raw_load(sync=True):
         with on(1):
-            raw_back.copy_(raw_host_in, non_blocking=gpu)
+            raw_copy(raw_back, raw_host_in)
         if sync:
             _sync(device)
 

@@ -358,15 +358,20 @@ def _watch(children, beats, stall_seconds: float, deadline: float) -> None:
         time.sleep(0.2)
 
 
+def _plain(figures: dict) -> str:
+    """A result's figures for a progress line: `name value, ...` (nested results left to the JSON)."""
+    return ", ".join(f"{k} {v}" for k, v in figures.items() if not isinstance(v, (dict, list)))
+
+
 def run(quick: bool = False, progress=None) -> dict:
     work = tempfile.mkdtemp(prefix="kvoffload-faults-")
     say = progress or (lambda message: None)
     try:
         say("[bench faults] SIGKILL rounds")
         kills = kill_rounds(work, 5 if quick else 50)
-        say(f"[bench faults] {kills}; corruption trials")
+        say(f"[bench faults] SIGKILL rounds: {_plain(kills)}; corruption trials")
         damage = corruption_trials(work, 6 if quick else 100)
-        say(f"[bench faults] {damage}; threads x processes")
+        say(f"[bench faults] corruption trials: {_plain(damage)}; threads x processes")
         reports = concurrency(work, seconds=4 if quick else 30)
         bad = ("checksum_failures", "bad_header", "length_mismatch", "read_errors", "damaged_files_reset")
         together = {

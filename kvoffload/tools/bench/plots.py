@@ -15,11 +15,21 @@ def _figure():
     return plt, fig, ax
 
 
-def _bars(ax, labels, series: dict[str, list[float]]):
+def _bars(ax, labels, series: dict[str, list[float]]) -> bool:
+    """Grouped bars; more than ten groups lie on their side, one readable label a row (returns True)."""
     width = 0.8 / len(series)
-    for i, (name, values) in enumerate(series.items()):
-        ax.bar([x + i * width - 0.4 + width / 2 for x in range(len(labels))], values, width, label=name)
-    ax.set_xticks(range(len(labels)), labels, fontsize=8 if len(labels) < 10 else 6)
+    at = [[x + i * width - 0.4 + width / 2 for x in range(len(labels))] for i in range(len(series))]
+    if len(labels) <= 10:
+        for positions, (name, values) in zip(at, series.items()):
+            ax.bar(positions, values, width, label=name)
+        ax.set_xticks(range(len(labels)), labels, fontsize=8)
+        return False
+    for positions, (name, values) in zip(at, series.items()):
+        ax.barh(positions, values, width, label=name)
+    ax.set_yticks(range(len(labels)), [label.replace("\n", ", ") for label in labels], fontsize=7)
+    ax.invert_yaxis()
+    ax.figure.set_size_inches(ax.figure.get_size_inches()[0] * 1.3, 1.5 + 0.3 * len(labels))
+    return True
 
 
 def _store(ax, result):
@@ -188,7 +198,7 @@ def _trace(ax, result):
         for long, brief in short:
             labels[-1] = labels[-1].replace(long, brief)
     everything = next(r for r in rows if r["disk_capacity"] and r["admit"] == 1)["disk_written_bytes"]
-    _bars(
+    sideways = _bars(
         ax,
         labels,
         {
@@ -196,7 +206,8 @@ def _trace(ax, result):
             "disk written (% of store-everything)": [100 * r["disk_written_bytes"] / max(everything, 1) for r in rows],
         },
     )
-    ax.set(ylabel="%", title=f"Policies on a trace of {result['requests']} requests (block {result['block_size']})")
+    title = f"Policies on a trace of {result['requests']} requests (block {result['block_size']})"
+    ax.set(**{"xlabel" if sideways else "ylabel": "%"}, title=title)
 
 
 def _prefetch(ax, result):

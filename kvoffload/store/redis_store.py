@@ -16,7 +16,8 @@ clear start-up error; at run time a node down, a timeout or a resharding in prog
 and a failed write is dropped and counted: never a crash, never wrong bytes. `timeout=` bounds both
 connecting and each reply, and redis-py's retries are off: a dead or hung node costs one timeout, then
 it is skipped (standalone server or cluster node) for NODE_RETRY_SECONDS, its keys counted misses. The
-back-off and the slot-map reload's pace are measured by `clock` (time.monotonic; a test passes its own)."""
+back-off and the slot-map reload's pace are measured by `clock` (time.monotonic; a test passes its own).
+Namespacing, the entry header, the counters and the back-off are every remote tier's: remote.py."""
 
 from __future__ import annotations
 
@@ -25,10 +26,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import entry
-from .base import Store
 from .buffers import Buffer
 from .errors import StoreConfigError
+from .remote import NODE_RETRY_SECONDS, RemoteTier
 from .url import parse_size, redact_url
 from .url_config import RedisSpec, parse_store_url
 
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CAPACITY = "1TiB"  # what the store reports when the server sets no maxmemory
 PIPELINE_BYTES = 64 << 20  # one pipelined write batch
-NODE_RETRY_SECONDS = 5.0  # a server or cluster node that failed is skipped this long
+__all__ = ["NODE_RETRY_SECONDS", "RedisStore"]
 
 
 def _redis():
@@ -47,8 +47,8 @@ def _redis():
     return redis
 
 
-class RedisStore(Store):
-    entry_overhead = entry.HEADER_BYTES
+class RedisStore(RemoteTier):
+    kind = "Redis"
 
     def __init__(
         self,
@@ -58,18 +58,14 @@ class RedisStore(Store):
         *,
         clock: Callable[[], float] = time.monotonic,
     ):
-        super().__init__()
-        self._clock = clock
         if isinstance(spec, str):
             parsed, url = parse_store_url(spec), spec
             if not isinstance(parsed, RedisSpec):
                 raise StoreConfigError(f"RedisStore takes a redis:// URL, got {parsed.url()!r}")
             spec = parsed
+        super().__init__(spec.namespace, fingerprint, clock=clock)
         self.spec = spec
         self.url = redact_url(url) if url else spec.url()  # what logs and stats show: never the password
-        self.fingerprint = entry.normalize_fingerprint(fingerprint)
-        self._count(checksum_failures=0, read_errors=0, write_errors=0)
-        self._down_until: dict[str, float] = {}
         self._refreshed = float("-inf")  # never reloaded yet
         redis = _redis()
         self._errors = (
@@ -80,9 +76,7 @@ class RedisStore(Store):
             OSError,
         )
         self.cluster = spec.cluster
-        self.namespace = spec.namespace
         self.client = self._connect(redis, self._client_options(spec))
-        self.prefix = f"kvoffload:{self.namespace}:".encode()
         self.capacity = self._capacity(spec.capacity)
 
     # -- start-up ------------------------------------------------------------------------------------
@@ -169,7 +163,7 @@ class RedisStore(Store):
             try:
                 results.append(fn(self.client.get_redis_connection(node) if node else self.client))
             except self._errors:
-                self._down_until[node.name if node else ""] = self._clock() + NODE_RETRY_SECONDS
+                self._mark_down(node.name if node else "")
                 raise
         return results
 
@@ -179,7 +173,7 @@ class RedisStore(Store):
         standalone server is the node "") and how many are in slots no node covers."""
         now = self._clock()
         if not self.cluster:
-            if self._down_until.get("", 0.0) > now:
+            if self._is_down(""):
                 return [], len(keys), 0
             return [("", self.client, list(range(len(keys))))], 0, 0
         groups: dict[str, tuple[Any, list[int]]] = {}  # redis-py's node objects (untyped)
@@ -212,16 +206,7 @@ class RedisStore(Store):
             try:
                 answers = pipe.execute(raise_on_error=False)
             except self._errors as exc:  # logged once per back-off: the node is skipped until then
-                log.warning(
-                    "Redis store %s: %s failed (%s); skipped for %.0f s: %s",
-                    self.url,
-                    name or "the server",
-                    exc,
-                    NODE_RETRY_SECONDS,
-                    "misses" if what == "read_errors" else "writes dropped",
-                )
-                self._count(**{what: len(indices)})
-                self._down_until[name] = self._clock() + NODE_RETRY_SECONDS
+                self._failed(name, exc, what, len(indices))
                 stale = True
                 continue
             for i, answer in zip(indices, answers):
@@ -246,9 +231,6 @@ class RedisStore(Store):
             self.client.nodes_manager.initialize(last_failed_node_name=last)
         except Exception as exc:  # noqa: BLE001 - any failure leaves the old map in place
             log.info("Redis store %s: slot map not refreshed (%s)", self.url, exc, exc_info=True)
-
-    def _key(self, key: bytes) -> bytes:
-        return self.prefix + key
 
     def clear(self, owner: str) -> bool:
         log.warning(
@@ -281,7 +263,7 @@ class RedisStore(Store):
     def _write(self, views, batch: list[int], written: list[bool]) -> None:
         def put(pipe, j, key):
             view = views[batch[j]][1]
-            pipe.set(key, b"".join((entry.encode_header(self.fingerprint, view), view)))  # one copy
+            pipe.set(key, self._wrap(view))  # one copy
 
         results = self._pipelined([self._key(views[i][0]) for i in batch], put, "write_errors")
         for i, result in zip(batch, results):
@@ -294,12 +276,8 @@ class RedisStore(Store):
         for i, raw in enumerate(values):
             if not isinstance(raw, bytes):
                 continue
-            view = memoryview(raw)
-            payload = view[entry.HEADER_BYTES :]
-            problem = entry.verify(entry.decode_header(view), self.fingerprint, payload)
-            if problem:
-                self._count(**{problem: 1})
-                log.warning("Redis store %s: an entry failed verification (%s); treated as a miss", self.url, problem)
+            payload = self._unwrap(raw)
+            if payload is None:
                 continue
             consume(i, payload)
             served[i] = True
@@ -318,8 +296,7 @@ class RedisStore(Store):
 
     def _usage(self) -> dict[str, int]:
         """Server-wide figures (summed over a cluster's primaries): Redis keeps no per-prefix totals."""
-        now = self._clock()
-        if any(until > now for until in self._down_until.values()):
+        if self._any_down():
             return {"entries": -1, "bytes_used": -1}  # a node is down: no timeout for stats either
         try:
             entries = sum(self._per_node(lambda c: c.dbsize()))

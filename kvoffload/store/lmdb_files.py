@@ -365,7 +365,17 @@ class _Opener:
                 max_entry_bytes=capacity_for_map(env.info()["map_size"]) // ENTRY_FRACTION,
             )
             txn.put(b"accounting", ACCOUNTING, db=self._info)
+            recorded = txn.get(b"capacity", db=self._info)
+            recorded = _U64.unpack(recorded)[0] if recorded is not None and len(recorded) == _U64.size else None
             txn.put(b"capacity", _U64.pack(self.configured_capacity), db=self._info)
+        if not alone and recorded is not None and recorded != self.configured_capacity:
+            log.warning(
+                "LMDB store %s: another process opened it with capacity %d bytes, this one with %d: each "
+                "evicts down to its own at its writes (open every process of a store with one capacity)",
+                self.path,
+                recorded,
+                self.configured_capacity,
+            )
         self._count(counters_rebuilt=len(rebuilt))
         if rebuilt or recount:
             log.warning(

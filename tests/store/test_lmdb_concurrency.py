@@ -247,7 +247,7 @@ print("done", flush=True)
 
 
 @pytest.mark.parametrize("other", ["16MiB", "256MiB"])
-def test_other_capacity_adopts_the_open_map_and_applies_when_alone(tmp_path, other):
+def test_other_capacity_adopts_the_open_map_and_applies_when_alone(tmp_path, other, caplog):
     store_dir = str(tmp_path / "store")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
@@ -258,6 +258,8 @@ def test_other_capacity_adopts_the_open_map_and_applies_when_alone(tmp_path, oth
         data = os.path.join(store_dir, "data.mdb")
         size = os.path.getsize(data)
         with open_store(f"lmdb://{store_dir}?capacity={other}") as store:  # in use: adopts the file's map
+            warned = [r.getMessage() for r in caplog.records if "another process opened it" in r.getMessage()]
+            assert warned and "capacity 67108864 bytes" in warned[0], caplog.text  # each evicts to its own
             assert os.path.getsize(data) == size == store.stats()["map_size"]
             assert store.capacity == min(64 << 20, store.configured_capacity)
             assert store.get(b"k0") == b"%08d" % 0 * (1 << 15)

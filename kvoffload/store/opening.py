@@ -14,7 +14,7 @@ from .lmdb_store import LMDBStore
 from .memory import MemoryStore
 from .tiered import TieredStore
 from .url import redact_url
-from .url_config import LMDBSpec, MemorySpec, RedisSpec, StoreSpec, TieredSpec, parse_store_url
+from .url_config import LMDBSpec, MemorySpec, RedisSpec, S3Spec, StoreSpec, TieredSpec, parse_store_url
 
 
 def open_store(url: str, *, fingerprint: bytes | str | None = None) -> Store:
@@ -42,16 +42,25 @@ def _redis(spec: RedisSpec, fingerprint, url: str | None) -> Store:
     return RedisStore(spec, fingerprint=fingerprint, url=url)
 
 
+def _s3(spec: S3Spec, fingerprint, url: str | None) -> Store:
+    from .s3_store import S3Store
+
+    return S3Store(spec, fingerprint=fingerprint, url=url)
+
+
 def _tiered(spec: TieredSpec, fingerprint, url: str | None) -> Store:
-    """Memory in front of LMDB, of Redis, or of LMDB in front of Redis (Redis is then the shared last tier).
+    """Memory in front of LMDB, of Redis or S3, or of LMDB in front of Redis or S3 (the shared last tier).
     Memory writes the next tier behind (write=behind, the default) or through (write=through); LMDB in
-    front of Redis writes Redis through, on the memory tier's writer thread."""
+    front of Redis or S3 writes it through, on the memory tier's writer thread; a hit in the last tier is
+    copied into LMDB and memory (read-through)."""
     front = _memory(spec.memory, None, None)
     backs = []
     if spec.lmdb:
         backs.append(_lmdb(spec.lmdb, fingerprint, None))
     if spec.redis:
         backs.append(_redis(spec.redis, fingerprint, None))
+    if spec.s3:
+        backs.append(_s3(spec.s3, fingerprint, None))
     back = backs[0] if len(backs) == 1 else TieredStore(backs[0], backs[1], write="through")
     return TieredStore(
         front, back, url=redact_url(url) if url else spec.url(), write=spec.write, **spec.behind_options()
@@ -63,6 +72,7 @@ _OPENERS: dict[type, Callable[[Any, bytes | str | None, str | None], Store]] = {
     MemorySpec: _memory,
     LMDBSpec: _lmdb,
     RedisSpec: _redis,
+    S3Spec: _s3,
     TieredSpec: _tiered,
 }
 

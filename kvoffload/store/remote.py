@@ -29,9 +29,7 @@ class RemoteTier(Store):
     entry_overhead = entry.HEADER_BYTES
     kind = "remote"  # how logs name the tier ("Redis", "S3")
 
-    def __init__(
-        self, namespace: str, fingerprint: bytes | str | None, *, clock: Callable[[], float] = time.monotonic
-    ):
+    def __init__(self, namespace: str, fingerprint: bytes | str | None, *, clock: Callable[[], float] = time.monotonic):
         super().__init__()
         self._clock = clock
         self.namespace = namespace
@@ -77,6 +75,10 @@ class RemoteTier(Store):
     def _mark_down(self, name: str = "") -> None:
         self._down_until[name] = self._clock() + NODE_RETRY_SECONDS
 
+    def _describe(self, exc: BaseException) -> object:
+        """What a warning shows of a client's exception."""
+        return exc
+
     def _failed(self, name: str, exc: BaseException, what: str, count: int) -> None:
         """`count` keys failed on `name` (what: read_errors or write_errors): count them, log once, back off."""
         self._log.warning(
@@ -84,7 +86,7 @@ class RemoteTier(Store):
             self.kind,
             self.url,
             name or "the server",
-            exc,
+            self._describe(exc),
             NODE_RETRY_SECONDS,
             "misses" if what == "read_errors" else "writes dropped",
         )

@@ -27,14 +27,28 @@ errors); `spec.url(redact=False)` parses back to an equal spec.
         capacity   the tier's declared size (default: the servers' maxmemory)
         ssl_*      passed to redis-py, only with rediss:// (ssl_cert_reqs default required)
 
+    s3://bucket/prefix?endpoint=https://host:port&region=us-east-1&namespace=default&capacity=1TiB&timeout=5
+        bucket     the bucket (it must exist); prefix: an optional key prefix inside it
+        endpoint   the S3 endpoint's URL (default: AWS's for the region); http:// is allowed
+        region     the region to sign for (default us-east-1)
+        namespace  objects are <prefix>/kvoffload:<namespace>:<page key, hex> (default "default")
+        capacity   the bytes the tier keeps under prefix; the least recently used objects are deleted
+                   beyond it (default 1TiB)
+        timeout    seconds any request may take, a positive number (default 5)
+        Credentials never go in the URL: the standard chain (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY /
+        AWS_SESSION_TOKEN, AWS_PROFILE in ~/.aws/credentials, web identity, instance metadata).
+
     tiered://?memory=4GiB&lmdb=/abs/dir&lmdb_capacity=16GiB&redis=<redis URL>&write=behind ...
-        one memory tier in front of LMDB, of Redis, or of LMDB in front of Redis; lmdb= and/or redis=
+        one memory tier in front of LMDB, of Redis or S3, or of LMDB in front of Redis or S3; lmdb=, redis=
+        and/or s3= (one of redis= and s3=)
         memory         the memory tier's capacity (default 4GiB)
         pinned, reserve, evict   the memory tier's, as memory://'s
         lmdb           the LMDB tier's absolute directory
         lmdb_capacity  its capacity (default 16GiB)
         lmdb_evict     its eviction policy, lru | s3fifo (default lru; needs lmdb=)
         redis          a redis://, rediss:// or redis+cluster:// URL, %-encoded if it has a query
+        s3             an s3:// URL, %-encoded if it has a query (the coldest tier: hits are copied into
+                       LMDB and memory)
         write          behind | through (default behind: a put returns once in memory and a background
                        thread writes the next tier; through: once in the next tier)
         behind_bytes   at most this many bytes wait to be written behind (default min(memory/2, 2GiB));
@@ -64,6 +78,9 @@ from .url import StoreURL, parse_bool, parse_size, parse_url, redact_url
 DEFAULT_MEMORY_CAPACITY = "4GiB"
 DEFAULT_LMDB_CAPACITY = "16GiB"  # allocated on disk at open (x1.31): a default must stay modest
 DEFAULT_REDIS_TIMEOUT = 2.0
+DEFAULT_S3_TIMEOUT = 5.0
+DEFAULT_S3_CAPACITY = "1TiB"
+DEFAULT_S3_REGION = "us-east-1"
 REDIS_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
 TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
 
@@ -160,8 +177,34 @@ class RedisSpec:
 
 
 @dataclass(frozen=True)
+class S3Spec:
+    """s3://bucket/prefix?endpoint=&region=&namespace=&capacity=&timeout=: an object store bucket."""
+
+    scheme: ClassVar[str] = "s3"
+    process_local: ClassVar[bool] = False
+    admit: ClassVar[int] = 1
+    memory_front: ClassVar[None] = None
+    bucket: str
+    prefix: str = ""
+    endpoint: str | None = None
+    region: str = DEFAULT_S3_REGION
+    namespace: str = "default"
+    capacity: int = 1 << 40
+    timeout: float = DEFAULT_S3_TIMEOUT
+
+    def url(self, redact: bool = True) -> str:
+        options: dict[str, object] = {}
+        if self.endpoint:
+            options["endpoint"] = self.endpoint
+        options.update(region=self.region, namespace=self.namespace, capacity=self.capacity)
+        options["timeout"] = repr(self.timeout)
+        path = f"{self.bucket}/{quote(self.prefix)}" if self.prefix else self.bucket
+        return f"s3://{path}?{_query(options)}"
+
+
+@dataclass(frozen=True)
 class TieredSpec:
-    """tiered://?memory=&lmdb=&lmdb_capacity=&lmdb_evict=&redis=&write=&behind_bytes=&behind_age=&admit=&evict=."""
+    """tiered://?memory=&lmdb=&lmdb_capacity=&lmdb_evict=&redis=&s3=&write=&behind_bytes=&behind_age=&admit=&evict=."""
 
     scheme: ClassVar[str] = "tiered"
     process_local: ClassVar[bool] = False  # its memory tier is per process, its slower tiers are shared
@@ -172,6 +215,7 @@ class TieredSpec:
     behind_bytes: int | None = None  # None: min(memory/2, 2GiB)
     behind_age: float | None = None  # None: 30 s
     admit: int = 1
+    s3: S3Spec | None = None
 
     def url(self, redact: bool = True) -> str:
         m = self.memory
@@ -184,6 +228,8 @@ class TieredSpec:
                 options["lmdb_evict"] = self.lmdb.evict
         if self.redis:
             options["redis"] = self.redis.url(redact=False)
+        if self.s3:
+            options["s3"] = self.s3.url(redact=False)
         extra = dict(
             behind_bytes=self.behind_bytes,
             behind_age=self.behind_age and repr(self.behind_age),
@@ -205,7 +251,7 @@ class TieredSpec:
         return {k: v for k, v in given.items() if v is not None}
 
 
-StoreSpec = MemorySpec | LMDBSpec | RedisSpec | TieredSpec
+StoreSpec = MemorySpec | LMDBSpec | RedisSpec | S3Spec | TieredSpec
 
 
 def _memory(parsed: StoreURL, url: str) -> MemorySpec:
@@ -278,6 +324,38 @@ def _redis(parsed: StoreURL, url: str) -> RedisSpec:
     )
 
 
+def _s3(parsed: StoreURL, url: str) -> S3Spec:
+    opts = parsed.take({"endpoint", "region", "namespace", "capacity", "timeout"})
+    shown = redact_url(url)
+    netloc = urlsplit(url).netloc
+    if "@" in netloc:
+        raise StoreConfigError(
+            f"{shown}: s3:// takes no credentials in the URL: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+            "(or AWS_PROFILE) in the environment"
+        )
+    bucket, _, prefix = parsed.path.partition("/")
+    if not bucket:
+        raise StoreConfigError(f"s3:// needs a bucket, e.g. s3://my-bucket/kv?endpoint=... ({shown!r})")
+    endpoint = opts.get("endpoint") or None
+    if endpoint is not None and not endpoint.startswith(("http://", "https://")):
+        raise StoreConfigError(f"s3:// endpoint= is a URL, http://host:port or https://host, got {endpoint[:60]!r}")
+    try:
+        timeout = _timeout(opts.get("timeout", str(DEFAULT_S3_TIMEOUT)))
+    except StoreConfigError:
+        raise StoreConfigError(
+            f"s3 timeout={opts['timeout'][:40]!r}: give the seconds a request may take, a positive number such as 5"
+        ) from None
+    return S3Spec(
+        bucket,
+        prefix.strip("/"),
+        endpoint.rstrip("/") if endpoint else None,
+        opts.get("region") or DEFAULT_S3_REGION,
+        opts.get("namespace", "default"),
+        parse_size(opts.get("capacity", DEFAULT_S3_CAPACITY), "s3 capacity"),
+        timeout,
+    )
+
+
 def _tiered(parsed: StoreURL, url: str) -> TieredSpec:
     opts = parsed.take(
         {
@@ -288,6 +366,7 @@ def _tiered(parsed: StoreURL, url: str) -> TieredSpec:
             "pinned",
             "reserve",
             "redis",
+            "s3",
             "write",
             "behind_bytes",
             "behind_age",
@@ -295,10 +374,13 @@ def _tiered(parsed: StoreURL, url: str) -> TieredSpec:
             "evict",
         }
     )
-    if "lmdb" not in opts and "redis" not in opts:
+    if "lmdb" not in opts and "redis" not in opts and "s3" not in opts:
         raise StoreConfigError(
-            f"tiered:// needs lmdb=/abs/dir and/or redis=<URL> (and optionally memory=): {redact_url(url)!r}"
+            "tiered:// needs lmdb=/abs/dir and/or redis=<URL> or s3=<URL> (and optionally memory=): "
+            f"{redact_url(url)!r}"
         )
+    if "redis" in opts and "s3" in opts:
+        raise StoreConfigError(f"tiered:// takes one shared tier: redis= or s3=, not both: {redact_url(url)!r}")
     # write= and admit=: TieredStore's own check (tiered_admission.py), made here so a bad URL opens nothing
     write, admit = write_options(opts.get("write", "behind").lower(), opts.get("admit", "1"), "tiered://")
     if write == "through" and ({"behind_bytes", "behind_age"} & set(opts)):
@@ -324,6 +406,12 @@ def _tiered(parsed: StoreURL, url: str) -> TieredSpec:
                 f"tiered:// redis= takes a redis://, rediss:// or redis+cluster:// URL: {redact_url(url)!r}"
             )
         redis = _redis(inner, opts["redis"])
+    s3 = None
+    if "s3" in opts:
+        inner = parse_url(opts["s3"])
+        if inner.scheme != "s3":
+            raise StoreConfigError(f"tiered:// s3= takes an s3:// URL: {redact_url(url)!r}")
+        s3 = _s3(inner, opts["s3"])
     lmdb = None
     if "lmdb" in opts:
         lmdb = LMDBSpec(
@@ -339,7 +427,7 @@ def _tiered(parsed: StoreURL, url: str) -> TieredSpec:
         _auto_bool(opts.get("reserve"), "reserve"),
         _evict(opts, "tiered"),
     )
-    return TieredSpec(memory, lmdb, redis, write, behind_bytes, behind_age, admit)
+    return TieredSpec(memory, lmdb, redis, write, behind_bytes, behind_age, admit, s3)
 
 
 # scheme -> parser; the openers are in kvoffload.store (open_spec), next to the store classes.
@@ -347,6 +435,7 @@ PARSERS: dict[str, Callable[[StoreURL, str], StoreSpec]] = {
     "memory": _memory,
     "lmdb": _lmdb,
     **{s: _redis for s in REDIS_SCHEMES},
+    "s3": _s3,
     "tiered": _tiered,
 }
 
@@ -358,6 +447,6 @@ def parse_store_url(url: str) -> StoreSpec:
     if parser is None:
         raise StoreConfigError(
             f"unknown store scheme {parsed.scheme!r} in {redact_url(url)!r}: use memory://, "
-            "lmdb://, redis:// (rediss://, redis+cluster://) or tiered://"
+            "lmdb://, redis:// (rediss://, redis+cluster://), s3:// or tiered://"
         )
     return parser(parsed, url)

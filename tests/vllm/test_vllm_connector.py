@@ -182,6 +182,28 @@ def test_shared_redis_tier_across_engine_processes(qwen_dir, redis_server):
     _assert_served(cold, warm)
 
 
+@pytest.fixture
+def s3_server(tmp_path, monkeypatch):
+    from kvoffload.tools.bench.s3_server import Server
+
+    server = Server(str(tmp_path / "weed"))
+    for name, value in server.env().items():  # the credentials, as the engine processes find them
+        monkeypatch.setenv(name, value)
+    yield server
+    server.stop()
+
+
+def test_a_fresh_engine_restores_a_prefix_only_the_bucket_holds(qwen_dir, s3_server):
+    """The second engine process has an empty memory tier and no disk: the hybrid model's prefix,
+    attention pages and mamba state come from the S3 bucket alone, tokens equal to the cold run."""
+    from urllib.parse import quote
+
+    s3 = quote(f"s3://{s3_server.bucket}/vllm?endpoint={s3_server.endpoint}&timeout=20", safe="")
+    url = f"tiered://?memory=128MiB&s3={s3}"
+    cold, warm = vh.run_restart(qwen_dir, connector(url), [[LONG]] * 2, dtype="bfloat16", block_size=BLOCK)
+    _assert_served(cold, warm)
+
+
 def test_store_is_never_read_under_another_conv_state_layout(qwen_dir, tmp_path):
     """vLLM's mamba conv-state layout (VLLM_SSM_CONV_STATE_LAYOUT: SD = (state_len, dim), DS = (dim,
     state_len)) keeps every page size: a store written by an SD engine must give a DS engine no hits

@@ -7,13 +7,12 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any
 
 from ..spec import KeyChain, request_salt
 from ..spec.layout import KindsLayout
-from ..store import StoreSpec, shared_store
-from ..store.url import redact_url
 from .plan import Page, hit_and_junction, hit_blocks, in_flight_keys, plan_save, rank_free
+from .store_index import StoreIndex
 from .vllm_config import ConnectorConfig
 from .vllm_events import KVEvents, medium_for
 from .vllm_messages import KVOffloadMetadata, LoadJob, PrefetchJob, SaveJob, StoredPages
@@ -23,75 +22,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvoffload.connectors.vllm")
-
-
-class _MirrorIndex:
-    """The scheduler's view of a worker's memory tier: the same byte capacity and eviction policy
-    (`evict=`), fed by `StoredPages`. A page it still believes present but the worker evicted fails its
-    load and is recomputed, never served wrong."""
-
-    def __init__(self, capacity: int, evict: str = "lru"):
-        from ..store.eviction import make_policy
-
-        self.capacity, self.used = capacity, 0
-        self.sizes: dict[bytes, int] = {}
-        self.policy = make_policy(evict, capacity, self.sizes)
-
-    def _drop(self, key: bytes) -> None:
-        self.used -= self.sizes.pop(key, 0)
-        self.policy.remove(key)
-
-    def update(self, report: StoredPages) -> set[bytes]:
-        """Apply a report; returns the keys it no longer holds (missing at a load, evicted)."""
-        dropped = report.missing | report.evicted
-        for key in dropped:
-            self._drop(key)
-        for key, size in report.added.items():
-            self._drop(key)
-            self.sizes[key] = size
-            self.policy.insert(key, size)
-            self.used += size
-            while self.used > self.capacity and (victim := self.policy.victim(lambda k: True)) is not None:
-                self._drop(victim)
-                dropped.add(victim)
-        return {key for key in dropped if key not in self.sizes}
-
-    def clear(self) -> None:
-        self.used = 0
-        self.sizes.clear()
-        self.policy.clear()  # else it would offer the cleared keys as victims (reported removed again)
-
-    def contains_many(self, keys: list[bytes]) -> list[bool]:
-        found = [k in self.sizes for k in keys]
-        for key, there in zip(keys, found):
-            if there:
-                self.policy.touch(key)
-        return found
-
-
-def mirrored_tier(spec: StoreSpec) -> _ProcessMemory | None:
-    """The memory tier the scheduler mirrors from the workers' reports, as it lives in each worker
-    process: a memory:// store, and the memory front of a tiered:// store with admit > 1, where a page
-    waits there for the use that admits it to the back tier. The back tier (LMDB, Redis) is read directly
-    by the scheduler process; with admit=1 every page goes behind, so that is enough: None, and the
-    workers then report no written keys."""
-    local = spec.memory_front if spec.admit > 1 else spec
-    if local is None or not local.process_local:
-        return None
-    return cast(_ProcessMemory, local)  # only a memory tier lives in one process: it has both
-
-
-def _mirror_for(spec: StoreSpec, workers: int) -> _MirrorIndex | None:
-    """The mirror of every worker's `mirrored_tier` together, or None."""
-    memory = mirrored_tier(spec)
-    return None if memory is None else _MirrorIndex(workers * memory.capacity, memory.evict)
-
-
-class _ProcessMemory(Protocol):
-    """What the mirror needs of a memory tier's spec."""
-
-    capacity: int
-    evict: str
 
 
 @dataclass
@@ -134,10 +64,7 @@ class _Scheduler:
         self.counters: Counter[str] = Counter()
         self._requests: dict[str, _RequestState] = {}
         self._spec = spec
-        self._mirror = _mirror_for(self._spec, workers)
-        self._store_url = store_url
-        if self._store is not None:  # a memory store lives in the workers; others open here, at start-up
-            self._store.claim(namespace)
+        self._index = StoreIndex(spec, store_url, workers, namespace)
         self._clear_workers = False
         self._resets = 0  # reset_cache generations
         self._uncleared = 0  # workers yet to report clearing for the latest one (no hits until then)
@@ -158,37 +85,13 @@ class _Scheduler:
     def take_events(self) -> list:
         return self._events.take() if self._events is not None else []
 
-    @property
-    def _store(self):
-        """The process's store for presence lookups, asked for at each use: a worker in this process
-        may reopen it with its layout fingerprint (`shared_store`); None for a memory:// store."""
-        return None if self._spec.process_local else shared_store(self._store_url)
-
     def _present(self, keys: list[bytes], lookup: bool = True) -> list[bool]:
-        """Whether each page is in the mirrored memory tiers or the store this process opens. For a
-        `lookup` (a hit or a prefetch, a load to follow) also a page a save job in flight writes (the load
-        runs after it, in order), and the mirror's recency refreshed as the load will; otherwise (KV
-        events, evictions) only what is stored now, nothing touched."""
-        store = self._store
-        if self._mirror is None:
-            found = store.contains_many(keys)
-        else:
-            found = self._mirror.contains_many(keys) if lookup else [k in self._mirror.sizes for k in keys]
-            rest = [i for i, there in enumerate(found) if not there]
-            if rest and store is not None:
-                for i, there in zip(rest, store.contains_many([keys[i] for i in rest])):
-                    found[i] = there
+        """`StoreIndex.present`, and for a `lookup` (a hit or a prefetch, a load to follow) also a page a
+        save job in flight writes (the load runs after it, in order)."""
+        found = self._index.present(keys, lookup)
         if lookup and self._in_flight:
             found = [there or key in self._in_flight for key, there in zip(keys, found)]
         return found
-
-    def _gone(self, keys: set[bytes]) -> set[bytes]:
-        """Of the keys a tier let go (evicted, or dropped from the mirror), those the store lacks now: a
-        page a tiered:// front evicted may be on disk, one LMDB evicted may have been written again."""
-        if not keys or self._store is None:
-            return keys
-        ordered = list(keys)  # none of them in the mirror: it let them go, or there is none
-        return {key for key, there in zip(ordered, self._present(ordered, lookup=False)) if not there}
 
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
         self._block_pool = gpu_block_pool
@@ -326,14 +229,8 @@ class _Scheduler:
                 len(self._pinned),
             )
             return False
-        store = self._store
-        if store is not None and not store.clear(self.namespace):
-            log.warning(
-                "KVOffloadConnector: reset_cache: the store %s was not cleared (see above)", redact_url(store.url)
-            )
+        if not self._index.clear():
             return False
-        if self._mirror is not None:
-            self._mirror.clear()
         if self._events is not None:
             self._events.cleared()
         # Live requests' saved pages are gone: save them again. `loaded` stays, so a boundary a load
@@ -409,11 +306,11 @@ class _Scheduler:
         report = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(report, StoredPages):
             self._uncleared -= report.cleared.get(self._resets, 0)
-            dropped = self._mirror.update(report) if self._mirror is not None else report.missing | report.evicted
+            dropped = self._index.apply(report)
             for job_id, count in report.done_jobs.items():
                 self._unpin(job_id, count)
             if self._events is not None:  # a page missing at a load is gone, whatever the store says
-                self._events.removed(report.missing | self._gone(dropped - report.missing))
+                self._events.removed(report.missing | self._index.gone(dropped - report.missing))
                 if report.done_jobs:
                     self._events.check()
         for req_id in getattr(connector_output, "failed_recving", None) or ():

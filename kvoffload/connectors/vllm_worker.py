@@ -18,11 +18,11 @@ from .jobs import Jobs, LoadDone
 from .offloader import Offloader
 from .plan import own_pages, pages_for_load
 from .prefetch import Prefetcher
+from .store_index import mirrored_tier
 from .transfer import make_transfer
 from .vllm_config import ConnectorConfig
 from .vllm_messages import KVOffloadMetadata, StoredPages
 from .vllm_metrics import COUNTERS, KVOffloadStats
-from .vllm_scheduler import mirrored_tier
 
 log = logging.getLogger("kvoffload.connectors.vllm")
 IDLE_WAIT_S = 0.005  # at most this long per step with nothing to compute, waiting for a job's result

@@ -183,7 +183,7 @@ def test_the_option_selects_the_policy_per_store_and_a_bad_value_names_the_choic
 def test_the_vllm_scheduler_mirror_evicts_as_the_worker_memory_tier_does(evict):
     """vLLM's scheduler predicts a worker's memory:// tier from its reports: with the same policy."""
     pytest.importorskip("vllm.distributed")
-    from kvoffload.connectors.vllm_scheduler import _mirror_for
+    from kvoffload.connectors.store_index import _mirror_for
     from kvoffload.store import parse_store_url
     from kvoffload.connectors.vllm_messages import StoredPages
 

@@ -597,7 +597,7 @@ def test_reset_cache_waits_for_saves_and_for_the_workers_to_clear(tmp_path):
     assert connector.has_pending_block_frees()
     assert connector.reset_cache() is False
     engine.step()  # the saves are reported
-    store = shared_store(scheduler._store.url)
+    store = shared_store(scheduler._index.url)
     assert store.put(b"stale", b"x" * 100)
     assert connector.reset_cache() is True
     assert store.get(b"stale") is None
@@ -794,7 +794,7 @@ def test_tiered_admission_hits_pages_waiting_in_the_workers_memory(tmp_path, adm
     report(added={key: 1000 for key in saved})  # in the worker's memory tier, not on disk
     assert lookup("warm") == ((3 * BLOCK, True) if admit == 2 else (0, False))
     report(added={b"other%d" % i: 1000 for i in range(100)})  # past the memory tier's 64 KiB: the oldest go
-    mirror = scheduler._mirror
+    mirror = scheduler._index.mirror
     assert (mirror is None) is (admit == 1)
     if mirror is not None:  # bounded by the tier's capacity
         assert mirror.used <= mirror.capacity == 64 << 10 and len(mirror.sizes) == (64 << 10) // 1000

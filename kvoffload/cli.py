@@ -20,6 +20,7 @@ BENCHMARKS = {  # name -> (kvoffload.tools.bench module, what it measures)
     "vllm-ttft": ("vllm_ttft", "vLLM engine: cold and warm TTFT, every tier and vLLM's own connectors"),
     "overhead": ("overhead", "vLLM engine: step time with the connector and no hits"),
     "redis": ("redis_tier", "Redis tier GB/s against raw pipelined SET/GET"),
+    "s3": ("s3_tier", "S3 tier GB/s, p50/p99 against raw obstore/boto3, LMDB, loopback HTTP"),
     "faults": ("faults", "LMDB fault campaign: killed writers, damaged files, contention"),
     "datapath": ("datapath", "save/load through the real tiers against raw copies and reads (GPU)"),
     "stall": ("stall", "vLLM engine: decode-step stalls while another request's prefix moves"),

@@ -262,20 +262,22 @@ class S3Store(RemoteTier):
 
     def read_many(self, keys: Sequence[bytes], consume: Callable[[int, memoryview], None]) -> list[bool]:
         paths = [self._path(key) for key in keys]
-        values = self._run(lambda i: self._get(paths[i]), len(keys), "read_errors")
+
+        def get(i: int) -> memoryview | None:  # verified on the request's thread, beside the other requests
+            raw = self._get(paths[i])
+            with self._lock:
+                self._touch(paths[i], len(raw))
+            return self._unwrap(raw)
+
+        payloads = self._run(get, len(keys), "read_errors")
         served = [False] * len(keys)
         nbytes = 0
-        for i, raw in enumerate(values):
-            if raw is None:
-                continue
-            payload = self._unwrap(raw)
+        for i, payload in enumerate(payloads):
             if payload is None:
                 continue
             consume(i, payload)
             served[i] = True
             nbytes += payload.nbytes
-            with self._lock:
-                self._touch(paths[i], len(raw))
         hits = sum(served)
         self._count(hits=hits, misses=len(keys) - hits, get_bytes=nbytes)
         return served

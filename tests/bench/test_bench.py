@@ -102,6 +102,15 @@ def test_redis_benchmark_json(tmp_path):
         assert set(row["ratios"]) == {"save_vs_raw_set", "load_vs_raw_get"}
 
 
+def test_s3_benchmark_json(tmp_path):
+    result = _bench("s3", tmp_path)
+    assert [r["value"] for r in result["results"]] == ["72KiB", "2MiB"]
+    for row in result["results"]:
+        for target in ("s3", "lmdb", "raw_obstore", "raw_loopback_http"):
+            assert row[target]["save_GBps"] > 0 and row[target]["load_GBps"] > 0, target
+            assert 0 < row[target]["get"]["p50_ms"] <= row[target]["get"]["p99_ms"], target
+
+
 def test_faults_benchmark_json(tmp_path):
     result = _bench("faults", tmp_path)
     r = result["results"]

@@ -149,6 +149,17 @@ def _redis(ax, result):
     ax.set(ylabel="GB/s", title="Redis tier vs raw SET/GET through the same client")
 
 
+def _s3(ax, result):
+    rows = result["results"]
+    tiers = [k for k in rows[0] if isinstance(rows[0][k], dict)]  # s3, lmdb, raw_obstore, raw_boto3, ...
+    series = {}
+    for tier in tiers:
+        series[f"{tier} save"] = [r[tier]["save_GBps"] for r in rows]
+        series[f"{tier} load"] = [r[tier]["load_GBps"] for r in rows]
+    _bars(ax, [r["value"] for r in rows], series)
+    ax.set(ylabel="GB/s", title="S3 tier vs raw clients, LMDB and a loopback HTTP copy (same run)")
+
+
 def _faults(ax, result):
     r = result["results"]
     sigkill = r["sigkill"]
@@ -249,6 +260,7 @@ DRAW = {
     "overhead": _overhead,
     "transfer": _transfer,
     "redis": _redis,
+    "s3": _s3,
     "faults": _faults,
     "datapath": _datapath,
     "stall": _stall,

@@ -161,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--json", action="store_true", help="print the report as JSON")
     demo.set_defaults(func=_demo)
     ver = sub.add_parser("verify", help="prove cold == warm on the bundled runner; exit 0 only if all equal")
-    ver.add_argument("--store", default="memory://?capacity=1GiB", help="memory://, lmdb://, redis:// or tiered:// URL")
+    ver.add_argument(
+        "--store", default="memory://?capacity=1GiB", help="memory://, lmdb://, redis://, s3:// or tiered:// URL"
+    )
     source = ver.add_mutually_exclusive_group()
     source.add_argument(
         "--preset",

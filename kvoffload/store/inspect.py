@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from .errors import StoreConfigError
 from .lmdb_store import read_stats
-from .url import redact_url
-from .url_config import LMDBSpec, MemorySpec, RedisSpec, TieredSpec, parse_store_url
+from .url import MAX_SIZE, redact_url
+from .url_config import LMDBSpec, MemorySpec, RedisSpec, S3Spec, TieredSpec, parse_store_url
 
 
 def inspect_store(url: str) -> dict:
@@ -15,10 +15,14 @@ def inspect_store(url: str) -> dict:
         return read_stats(spec.path)
     if isinstance(spec, RedisSpec):
         return _redis_stats(spec, url)
+    if isinstance(spec, S3Spec):
+        return _s3_stats(spec, url)
     if isinstance(spec, TieredSpec):
         tiers = {"lmdb": read_stats(spec.lmdb.path)} if spec.lmdb else {}
         if spec.redis:
             tiers["redis"] = _redis_stats(spec.redis, None)
+        if spec.s3:
+            tiers["s3"] = _s3_stats(spec.s3, None)
         return {"url": redact_url(url), **tiers}
     assert isinstance(spec, MemorySpec)
     raise StoreConfigError("a memory:// store lives inside one process: there is nothing to inspect")
@@ -29,3 +33,13 @@ def _redis_stats(spec: RedisSpec, url: str | None) -> dict:
 
     with open_spec(spec, url=url) as store:
         return store.stats()
+
+
+def _s3_stats(spec: S3Spec, url: str | None) -> dict:
+    """The bucket's figures under the prefix; opened with no capacity bound, so that nothing is evicted."""
+    import dataclasses
+
+    from .opening import open_spec
+
+    with open_spec(dataclasses.replace(spec, capacity=MAX_SIZE), url=url) as store:
+        return {**store.stats(), "capacity": spec.capacity}

@@ -389,7 +389,7 @@ def verify(
     device = _check_device(device)
     if (restart or separate) and parse_store_url(store_url).process_local:
         raise StoreConfigError(
-            "memory:// lives in one process: use lmdb://, redis:// or tiered:// with --restart or --separate"
+            "memory:// lives in one process: use lmdb://, redis://, s3:// or tiered:// with --restart or --separate"
         )
     if block_size < 1 or max_tokens < 1:
         raise InputError(f"block size and max tokens must be at least 1, got {block_size} and {max_tokens}")

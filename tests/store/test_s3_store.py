@@ -192,6 +192,15 @@ def test_capacity_evicts_the_least_recently_used_and_a_restart_keeps_the_bound(s
     assert sum(m["size"] for chunk in obstore.list(_raw(server)) for m in chunk) <= 300_000
 
 
+def test_inspect_reports_the_bucket_and_evicts_nothing(server):
+    from kvoffload.store.inspect import inspect_store
+
+    open_store(_url(server), fingerprint=FP).put_many(_values(10, 10_000))
+    stats = inspect_store(_url(server, capacity="20KB"))  # smaller than what is there: nothing deleted
+    assert stats["entries"] == 10 and stats["evictions"] == 0 and stats["capacity"] == 20_000
+    assert open_store(_url(server), fingerprint=FP).stats()["entries"] == 10
+
+
 def test_tiered_writes_behind_into_s3_and_reads_through_into_lmdb_and_memory(server, tmp_path):
     from urllib.parse import quote
 

@@ -5,6 +5,8 @@ the caller's, so a server stopped and started again on the same directory and po
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import shutil
 import signal
@@ -125,3 +127,8 @@ class Server:
         self.proc = None
         if getattr(self, "log", None):
             self.log.close()
+        # weed leaves a unix socket per service in /tmp (whatever $TMPDIR says), named by its port: ours
+        for port in self.ports.values():
+            for path in glob.glob(f"/tmp/seaweedfs-*-{port}.sock"):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)

@@ -29,8 +29,8 @@ from typing import Any
 from .buffers import Buffer
 from .errors import StoreConfigError
 from .remote import NODE_RETRY_SECONDS, RemoteTier
-from .url import parse_size, redact_url
-from .url_config import RedisSpec, parse_store_url
+from .url import parse_size
+from .url_config import RedisSpec
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,8 @@ def _redis():
 
 class RedisStore(RemoteTier):
     kind = "Redis"
+    spec_type = RedisSpec
+    spec: RedisSpec
 
     def __init__(
         self,
@@ -58,14 +60,7 @@ class RedisStore(RemoteTier):
         *,
         clock: Callable[[], float] = time.monotonic,
     ):
-        if isinstance(spec, str):
-            parsed, url = parse_store_url(spec), spec
-            if not isinstance(parsed, RedisSpec):
-                raise StoreConfigError(f"RedisStore takes a redis:// URL, got {parsed.url()!r}")
-            spec = parsed
-        super().__init__(spec.namespace, fingerprint, clock=clock)
-        self.spec = spec
-        self.url = redact_url(url) if url else spec.url()  # what logs and stats show: never the password
+        super().__init__(spec, fingerprint, url, clock=clock)
         self._refreshed = float("-inf")  # never reloaded yet
         redis = _redis()
         self._errors = (
@@ -75,9 +70,9 @@ class RedisStore(RemoteTier):
             redis.exceptions.ClusterError,
             OSError,
         )
-        self.cluster = spec.cluster
-        self.client = self._connect(redis, self._client_options(spec))
-        self.capacity = self._capacity(spec.capacity)
+        self.cluster = self.spec.cluster
+        self.client = self._connect(redis, self._client_options(self.spec))
+        self.capacity = self._capacity(self.spec.capacity)
 
     # -- start-up ------------------------------------------------------------------------------------
     @staticmethod

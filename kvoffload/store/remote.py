@@ -19,6 +19,9 @@ from collections.abc import Callable
 
 from . import entry
 from .base import Store
+from .errors import StoreConfigError
+from .url import redact_url
+from .url_config import parse_store_url
 
 NODE_RETRY_SECONDS = 5.0  # a server, cluster node or endpoint that failed is skipped this long
 
@@ -29,8 +32,26 @@ class RemoteTier(Store):
     entry_overhead = entry.HEADER_BYTES
     kind = "remote"  # how logs name the tier ("Redis", "S3")
 
-    def __init__(self, namespace: str, fingerprint: bytes | str | None, *, clock: Callable[[], float] = time.monotonic):
+    spec_type: type = object  # the URL spec a subclass opens (RedisSpec, S3Spec)
+
+    def __init__(
+        self,
+        spec,
+        fingerprint: bytes | str | None,
+        url: str | None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        """`spec`: the tier's parsed URL, or the URL itself; `url`: what logs and stats show (redacted)."""
+        if isinstance(spec, str):
+            parsed, url = parse_store_url(spec), spec
+            if not isinstance(parsed, self.spec_type):
+                raise StoreConfigError(f"{type(self).__name__} takes a {self.kind} URL, got {parsed.url()!r}")
+            spec = parsed
         super().__init__()
+        self.spec = spec
+        self.url = redact_url(url) if url else spec.url()  # never a password
+        namespace = spec.namespace
         self._clock = clock
         self.namespace = namespace
         self.fingerprint = entry.normalize_fingerprint(fingerprint)

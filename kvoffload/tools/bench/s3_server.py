@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Any
 
 PORT_OPTIONS = (
     "master.port",
@@ -101,19 +102,24 @@ class Server:
         self.stop()
         raise RuntimeError(f"weed mini did not serve bucket {self.bucket} within {self.ready_timeout:.0f} s")
 
-    def _bucket_ready(self) -> bool:
-        """A signed listing of the bucket succeeds: the gateway, the filer and the bucket are up."""
+    def client(self, **options):
+        """A plain obstore client of the bucket, with the server's identity (`options`: obstore's)."""
         from obstore.store import S3Store
 
-        client = S3Store(
+        client_options: Any = {"allow_http": True, **options.pop("client_options", {})}  # obstore's ClientConfig
+        return S3Store(
             self.bucket,
             endpoint=self.endpoint,
             region="us-east-1",
             access_key_id=ACCESS_KEY,
             secret_access_key=SECRET_KEY,
-            client_options={"allow_http": True, "timeout": "2s"},
-            retry_config={"max_retries": 0},
+            client_options=client_options,
+            **options,
         )
+
+    def _bucket_ready(self) -> bool:
+        """A signed listing of the bucket succeeds: the gateway, the filer and the bucket are up."""
+        client = self.client(client_options={"timeout": "2s"}, retry_config={"max_retries": 0})
         try:
             client.list_with_delimiter()
             return True

@@ -121,16 +121,8 @@ class _Loopback:
 def _clients(server: Server, loopback: _Loopback) -> dict[str, tuple[Callable, Callable]]:
     """name -> (put(key, value), get(key)) of the raw baselines."""
     import obstore
-    from obstore.store import S3Store
 
-    raw = S3Store(
-        server.bucket,
-        endpoint=server.endpoint,
-        region="us-east-1",
-        access_key_id=ACCESS_KEY,
-        secret_access_key=SECRET_KEY,
-        client_options={"allow_http": True},
-    )
+    raw = server.client()
     clients: dict[str, tuple[Callable, Callable]] = {
         "obstore": (lambda k, v: obstore.put(raw, "raw/" + k, v), lambda k: obstore.get(raw, "raw/" + k).bytes()),
         "loopback_http": (loopback.put, loopback.get),

@@ -97,7 +97,7 @@ class S3Store(RemoteTier):
         self._not_found = (self._obstore.exceptions.NotFoundError, FileNotFoundError)
         self.client = self._connect(self.spec)
         self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="kvoffload-s3")
-        self._lock = threading.Lock()  # the index
+        self._lock = threading.Lock()  # the index only: never held across a request, no other lock taken under it
         self._index: OrderedDict[str, int] = OrderedDict()  # object path -> its bytes, least recently used first
         self._bytes = 0
         self._load_index()

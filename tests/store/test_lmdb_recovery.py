@@ -1,4 +1,4 @@
-"""The LMDB tier under fragmentation and damage (issue 23): a put into a full, fragmented store evicts what
+"""The LMDB tier under fragmentation and damage: a put into a full, fragmented store evicts what
 it needs -- the byte minimum in eviction order, and what one contiguous run of pages needs -- and no more;
 counter records that were flipped are rebuilt from the entries at open; a flipped header bit is damage
 (a counted miss, the entry removed), an intact entry of another layout is left alone.

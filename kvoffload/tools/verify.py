@@ -130,7 +130,7 @@ def default_model_dir(preset: str, yes: bool = False, progress=None) -> str:
 MEMORY_SHARE = 0.8  # of the memory available now, the most a verify run's caches may take
 
 
-def check_sizes(config, layout, longest: int, batch: int, block_size: int, max_tokens: int, device: str) -> None:
+def check_sizes(layout, longest: int, batch: int, block_size: int, max_tokens: int, device: str) -> None:
     """Refuse, before anything is allocated, a block size or a token count whose caches cannot fit: the
     runner's cache for the largest case (`batch` prompts of at most `longest` tokens, plus the decode)."""
     import psutil
@@ -415,7 +415,7 @@ def verify(
         longest, batch = max(len(p) for _, ps in cases for p in ps), 1
     else:
         longest, batch = builtin_longest(config, block_size), 3  # its largest case: three prompts at once
-    check_sizes(config, layout, longest, batch, block_size, max_tokens, device)
+    check_sizes(layout, longest, batch, block_size, max_tokens, device)
     if not prompts_file:
         cases = builtin_cases(config, block_size)
     namespace = f"verify/{uuid.uuid4()}"

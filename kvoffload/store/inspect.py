@@ -6,7 +6,7 @@ from __future__ import annotations
 from .errors import StoreConfigError
 from .lmdb_store import read_stats
 from .url import MAX_SIZE, redact_url
-from .url_config import LMDBSpec, MemorySpec, RedisSpec, S3Spec, TieredSpec, parse_store_url
+from .url_config import LMDBSpec, MemorySpec, MooncakeSpec, RedisSpec, S3Spec, TieredSpec, parse_store_url
 
 
 def inspect_store(url: str) -> dict:
@@ -17,12 +17,16 @@ def inspect_store(url: str) -> dict:
         return _redis_stats(spec, url)
     if isinstance(spec, S3Spec):
         return _s3_stats(spec, url)
+    if isinstance(spec, MooncakeSpec):
+        return _mooncake_stats(spec)
     if isinstance(spec, TieredSpec):
         tiers = {"lmdb": read_stats(spec.lmdb.path)} if spec.lmdb else {}
         if spec.redis:
             tiers["redis"] = _redis_stats(spec.redis, None)
         if spec.s3:
             tiers["s3"] = _s3_stats(spec.s3, None)
+        if spec.mooncake:
+            tiers["mooncake"] = _mooncake_stats(spec.mooncake)
         return {"url": redact_url(url), **tiers}
     assert isinstance(spec, MemorySpec)
     raise StoreConfigError("a memory:// store lives inside one process: there is nothing to inspect")
@@ -43,3 +47,9 @@ def _s3_stats(spec: S3Spec, url: str | None) -> dict:
 
     with open_spec(dataclasses.replace(spec, capacity=MAX_SIZE), url=url) as store:
         return {**store.stats(), "capacity": spec.capacity}
+
+
+def _mooncake_stats(spec: MooncakeSpec) -> dict:
+    """The pool's address and this URL's options: a client reads no per-prefix totals from Mooncake, and
+    joining the pool to look would contribute memory; `kvoffload inspect` changes nothing."""
+    return {"url": spec.url(), "master": spec.master, "metadata": spec.metadata, "namespace": spec.namespace}

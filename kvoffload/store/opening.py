@@ -14,7 +14,16 @@ from .lmdb_store import LMDBStore
 from .memory import MemoryStore
 from .tiered import TieredStore
 from .url import redact_url
-from .url_config import LMDBSpec, MemorySpec, RedisSpec, S3Spec, StoreSpec, TieredSpec, parse_store_url
+from .url_config import (
+    LMDBSpec,
+    MemorySpec,
+    MooncakeSpec,
+    RedisSpec,
+    S3Spec,
+    StoreSpec,
+    TieredSpec,
+    parse_store_url,
+)
 
 
 def open_store(url: str, *, fingerprint: bytes | str | None = None) -> Store:
@@ -48,11 +57,17 @@ def _s3(spec: S3Spec, fingerprint, url: str | None) -> Store:
     return S3Store(spec, fingerprint=fingerprint, url=url)
 
 
+def _mooncake(spec: MooncakeSpec, fingerprint, url: str | None) -> Store:
+    from .mooncake_store import MooncakeStore
+
+    return MooncakeStore(spec, fingerprint=fingerprint, url=url)
+
+
 def _tiered(spec: TieredSpec, fingerprint, url: str | None) -> Store:
-    """Memory in front of LMDB, of Redis or S3, or of LMDB in front of Redis or S3 (the shared last tier).
-    Memory writes the next tier behind (write=behind, the default) or through (write=through); LMDB in
-    front of Redis or S3 writes it through, on the memory tier's writer thread; a hit in the last tier is
-    copied into LMDB and memory (read-through)."""
+    """Memory in front of LMDB, of a shared tier (Redis, S3, Mooncake), or of LMDB in front of a shared
+    tier (the last one). Memory writes the next tier behind (write=behind, the default) or through
+    (write=through); LMDB in front of the shared tier writes it through, on the memory tier's writer
+    thread; a hit in the last tier is copied into LMDB and memory (read-through)."""
     front = _memory(spec.memory, None, None)
     backs = []
     if spec.lmdb:
@@ -61,6 +76,8 @@ def _tiered(spec: TieredSpec, fingerprint, url: str | None) -> Store:
         backs.append(_redis(spec.redis, fingerprint, None))
     if spec.s3:
         backs.append(_s3(spec.s3, fingerprint, None))
+    if spec.mooncake:
+        backs.append(_mooncake(spec.mooncake, fingerprint, None))
     back = backs[0] if len(backs) == 1 else TieredStore(backs[0], backs[1], write="through")
     return TieredStore(
         front, back, url=redact_url(url) if url else spec.url(), write=spec.write, **spec.behind_options()
@@ -73,8 +90,19 @@ _OPENERS: dict[type, Callable[[Any, bytes | str | None, str | None], Store]] = {
     LMDBSpec: _lmdb,
     RedisSpec: _redis,
     S3Spec: _s3,
+    MooncakeSpec: _mooncake,
     TieredSpec: _tiered,
 }
+
+
+def _no_segment(spec: StoreSpec) -> StoreSpec:
+    """The spec with any Mooncake tier joining as a client only (segment=0)."""
+    if isinstance(spec, MooncakeSpec):
+        return dataclasses.replace(spec, segment=0, capacity=spec.capacity or spec.segment)
+    if isinstance(spec, TieredSpec) and spec.mooncake:
+        return dataclasses.replace(spec, mooncake=dataclasses.replace(spec.mooncake, segment=0))
+    return spec
+
 
 _shared: dict[str, tuple[Store, bytes | None]] = {}
 _shared_lock = threading.Lock()
@@ -111,6 +139,8 @@ def shared_store(url: str, *, fingerprint: bytes | str | None = None) -> Store:
                 # Presence only (vLLM's scheduler, in its own process): its memory tier is never written,
                 # so it must not reserve or page-lock the arena the workers' stores hold.
                 spec = dataclasses.replace(spec, memory=dataclasses.replace(spec.memory, pinned=False, reserve=False))
+            if wanted is None:  # nor contribute memory to a Mooncake pool
+                spec = _no_segment(spec)
             store = open_spec(spec, fingerprint=fingerprint, url=url)
             _shared[url] = (store, wanted)
         return store

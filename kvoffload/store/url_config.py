@@ -38,9 +38,21 @@ errors); `spec.url(redact=False)` parses back to an equal spec.
         Credentials never go in the URL: the standard chain (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY /
         AWS_SESSION_TOKEN, AWS_PROFILE in ~/.aws/credentials, web identity, instance metadata).
 
+    mooncake://master-host:port?metadata=http://host:8080/metadata&segment=1GiB&buffer=128MiB&namespace=default
+        master-host:port  the Mooncake master's RPC address (port 50051 if left out)
+        metadata   the metadata server's URL (default http://<master host>:8080/metadata, the master's own
+                   HTTP metadata server)
+        protocol   tcp | rdma (default tcp); device: the RDMA device names, comma-separated (rdma only)
+        local      the address other hosts reach this process at (default: the one that reaches the master)
+        segment    the memory this process contributes to the pool (default 1GiB; 0: a client only, for a
+                   pool that long-lived contributors hold)
+        buffer     this process's transfer buffer; a value must fit in it (default 128MiB)
+        namespace  keys are kvoffload:<namespace>:<page key, hex> (default "default")
+        capacity   the tier's declared size (default: segment)
+
     tiered://?memory=4GiB&lmdb=/abs/dir&lmdb_capacity=16GiB&redis=<redis URL>&write=behind ...
-        one memory tier in front of LMDB, of Redis or S3, or of LMDB in front of Redis or S3; lmdb=, redis=
-        and/or s3= (one of redis= and s3=)
+        one memory tier in front of LMDB, of a shared tier (Redis, S3 or Mooncake), or of LMDB in front of
+        a shared tier; lmdb= and/or one of redis=, s3= and mooncake=
         memory         the memory tier's capacity (default 4GiB)
         pinned, reserve, evict   the memory tier's, as memory://'s
         lmdb           the LMDB tier's absolute directory
@@ -49,6 +61,7 @@ errors); `spec.url(redact=False)` parses back to an equal spec.
         redis          a redis://, rediss:// or redis+cluster:// URL, %-encoded if it has a query
         s3             an s3:// URL, %-encoded if it has a query (the coldest tier: hits are copied into
                        LMDB and memory)
+        mooncake       a mooncake:// URL, %-encoded if it has a query
         write          behind | through (default behind: a put returns once in memory and a background
                        thread writes the next tier; through: once in the next tier)
         behind_bytes   at most this many bytes wait to be written behind (default min(memory/2, 2GiB));
@@ -81,6 +94,9 @@ DEFAULT_REDIS_TIMEOUT = 2.0
 DEFAULT_S3_TIMEOUT = 5.0
 DEFAULT_S3_CAPACITY = "1TiB"
 DEFAULT_S3_REGION = "us-east-1"
+DEFAULT_MOONCAKE_PORT = 50051  # the master's RPC port
+DEFAULT_MOONCAKE_SEGMENT = "1GiB"
+DEFAULT_MOONCAKE_BUFFER = "128MiB"
 REDIS_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
 TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
 
@@ -203,8 +219,43 @@ class S3Spec:
 
 
 @dataclass(frozen=True)
+class MooncakeSpec:
+    """mooncake://host:port?metadata=&protocol=&device=&local=&segment=&buffer=&namespace=&capacity=: a pool."""
+
+    scheme: ClassVar[str] = "mooncake"
+    process_local: ClassVar[bool] = False
+    admit: ClassVar[int] = 1
+    memory_front: ClassVar[None] = None
+    host: str
+    port: int = DEFAULT_MOONCAKE_PORT
+    metadata: str = ""  # the parser's default: the master's own HTTP metadata server
+    protocol: str = "tcp"
+    device: str = ""
+    local: str | None = None  # None: the address that reaches the master
+    segment: int = 1 << 30
+    buffer: int = 128 << 20
+    namespace: str = "default"
+    capacity: int | None = None  # None: segment
+
+    @property
+    def master(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def url(self, redact: bool = True) -> str:
+        options: dict[str, object] = {"metadata": self.metadata, "protocol": self.protocol}
+        if self.device:
+            options["device"] = self.device
+        if self.local:
+            options["local"] = self.local
+        options.update(segment=self.segment, buffer=self.buffer, namespace=self.namespace)
+        if self.capacity is not None:
+            options["capacity"] = self.capacity
+        return f"mooncake://{self.master}?{_query(options)}"
+
+
+@dataclass(frozen=True)
 class TieredSpec:
-    """tiered://?memory=&lmdb=&lmdb_capacity=&lmdb_evict=&redis=&s3=&write=&behind_bytes=&behind_age=&admit=&evict=."""
+    """tiered://?memory=&lmdb=&lmdb_capacity=&lmdb_evict=&redis=&s3=&mooncake=&write=&behind_bytes=&behind_age=&admit=&evict=."""
 
     scheme: ClassVar[str] = "tiered"
     process_local: ClassVar[bool] = False  # its memory tier is per process, its slower tiers are shared
@@ -216,6 +267,7 @@ class TieredSpec:
     behind_age: float | None = None  # None: 30 s
     admit: int = 1
     s3: S3Spec | None = None
+    mooncake: MooncakeSpec | None = None
 
     def url(self, redact: bool = True) -> str:
         m = self.memory
@@ -230,6 +282,8 @@ class TieredSpec:
             options["redis"] = self.redis.url(redact=False)
         if self.s3:
             options["s3"] = self.s3.url(redact=False)
+        if self.mooncake:
+            options["mooncake"] = self.mooncake.url(redact=False)
         extra = dict(
             behind_bytes=self.behind_bytes,
             behind_age=self.behind_age and repr(self.behind_age),
@@ -251,7 +305,7 @@ class TieredSpec:
         return {k: v for k, v in given.items() if v is not None}
 
 
-StoreSpec = MemorySpec | LMDBSpec | RedisSpec | S3Spec | TieredSpec
+StoreSpec = MemorySpec | LMDBSpec | RedisSpec | S3Spec | MooncakeSpec | TieredSpec
 
 
 def _memory(parsed: StoreURL, url: str) -> MemorySpec:
@@ -356,6 +410,49 @@ def _s3(parsed: StoreURL, url: str) -> S3Spec:
     )
 
 
+def _mooncake(parsed: StoreURL, url: str) -> MooncakeSpec:
+    opts = parsed.take({"metadata", "protocol", "device", "local", "segment", "buffer", "namespace", "capacity"})
+    shown = redact_url(url)
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if "@" in netloc or "," in netloc:
+        raise StoreConfigError(f"{shown}: mooncake:// names one master, host:port (no user, no list)")
+    host, _, port = netloc.rpartition(":") if ":" in netloc else (netloc, "", "")
+    if not host:
+        raise StoreConfigError(f"mooncake:// needs the master's address, e.g. mooncake://10.0.0.5:50051 ({shown!r})")
+    if parts.path not in ("", "/"):
+        raise StoreConfigError(f"mooncake:// takes no path, got {parts.path[:40]!r} in {shown!r}")
+    if port and not (port.isdigit() and 0 < int(port) < 65536):
+        raise StoreConfigError(f"{shown}: the master's port is a number 1-65535, got {port[:12]!r}")
+    protocol = opts.get("protocol", "tcp").lower()
+    if protocol not in ("tcp", "rdma"):
+        raise StoreConfigError(f"mooncake:// protocol= is tcp or rdma, got {opts['protocol'][:20]!r}")
+    if opts.get("device") and protocol != "rdma":
+        raise StoreConfigError("mooncake:// device= names RDMA devices: it needs protocol=rdma")
+    metadata = opts.get("metadata") or f"http://{host}:8080/metadata"
+    if not metadata.startswith(("http://", "https://", "etcd://", "redis://")):
+        raise StoreConfigError(
+            f"mooncake:// metadata= is the metadata server's URL (http://host:port/metadata), got {metadata[:60]!r}"
+        )
+    buffer = parse_size(opts.get("buffer", DEFAULT_MOONCAKE_BUFFER), "mooncake buffer")
+    given = opts.get("segment", DEFAULT_MOONCAKE_SEGMENT)
+    segment = 0 if given.strip() == "0" else parse_size(given, "mooncake segment")  # 0: a client only
+    if buffer < 1 << 20:
+        raise StoreConfigError(f"mooncake:// buffer= is at least 1MiB (a value must fit in it), got {buffer}")
+    return MooncakeSpec(
+        host,
+        int(port) if port else DEFAULT_MOONCAKE_PORT,
+        metadata,
+        protocol,
+        opts.get("device", ""),
+        opts.get("local") or None,
+        segment,
+        buffer,
+        opts.get("namespace", "default"),
+        parse_size(opts["capacity"], "mooncake capacity") if opts.get("capacity") else None,
+    )
+
+
 def _tiered(parsed: StoreURL, url: str) -> TieredSpec:
     opts = parsed.take(
         {
@@ -367,6 +464,7 @@ def _tiered(parsed: StoreURL, url: str) -> TieredSpec:
             "reserve",
             "redis",
             "s3",
+            "mooncake",
             "write",
             "behind_bytes",
             "behind_age",
@@ -374,13 +472,17 @@ def _tiered(parsed: StoreURL, url: str) -> TieredSpec:
             "evict",
         }
     )
-    if "lmdb" not in opts and "redis" not in opts and "s3" not in opts:
+    shared = [name for name in ("redis", "s3", "mooncake") if name in opts]
+    if "lmdb" not in opts and not shared:
         raise StoreConfigError(
-            "tiered:// needs lmdb=/abs/dir and/or redis=<URL> or s3=<URL> (and optionally memory=): "
+            "tiered:// needs lmdb=/abs/dir and/or redis=<URL>, s3=<URL> or mooncake=<URL> (and optionally "
+            f"memory=): {redact_url(url)!r}"
+        )
+    if len(shared) > 1:
+        raise StoreConfigError(
+            f"tiered:// takes one shared tier (redis=, s3= or mooncake=), not {' and '.join(shared)}: "
             f"{redact_url(url)!r}"
         )
-    if "redis" in opts and "s3" in opts:
-        raise StoreConfigError(f"tiered:// takes one shared tier: redis= or s3=, not both: {redact_url(url)!r}")
     # write= and admit=: TieredStore's own check (tiered_admission.py), made here so a bad URL opens nothing
     write, admit = write_options(opts.get("write", "behind").lower(), opts.get("admit", "1"), "tiered://")
     if write == "through" and ({"behind_bytes", "behind_age"} & set(opts)):
@@ -412,6 +514,12 @@ def _tiered(parsed: StoreURL, url: str) -> TieredSpec:
         if inner.scheme != "s3":
             raise StoreConfigError(f"tiered:// s3= takes an s3:// URL: {redact_url(url)!r}")
         s3 = _s3(inner, opts["s3"])
+    mooncake = None
+    if "mooncake" in opts:
+        inner = parse_url(opts["mooncake"])
+        if inner.scheme != "mooncake":
+            raise StoreConfigError(f"tiered:// mooncake= takes a mooncake:// URL: {redact_url(url)!r}")
+        mooncake = _mooncake(inner, opts["mooncake"])
     lmdb = None
     if "lmdb" in opts:
         lmdb = LMDBSpec(
@@ -427,7 +535,7 @@ def _tiered(parsed: StoreURL, url: str) -> TieredSpec:
         _auto_bool(opts.get("reserve"), "reserve"),
         _evict(opts, "tiered"),
     )
-    return TieredSpec(memory, lmdb, redis, write, behind_bytes, behind_age, admit, s3)
+    return TieredSpec(memory, lmdb, redis, write, behind_bytes, behind_age, admit, s3, mooncake)
 
 
 # scheme -> parser; the openers are in kvoffload.store (open_spec), next to the store classes.
@@ -436,6 +544,7 @@ PARSERS: dict[str, Callable[[StoreURL, str], StoreSpec]] = {
     "lmdb": _lmdb,
     **{s: _redis for s in REDIS_SCHEMES},
     "s3": _s3,
+    "mooncake": _mooncake,
     "tiered": _tiered,
 }
 
@@ -447,6 +556,6 @@ def parse_store_url(url: str) -> StoreSpec:
     if parser is None:
         raise StoreConfigError(
             f"unknown store scheme {parsed.scheme!r} in {redact_url(url)!r}: use memory://, "
-            "lmdb://, redis:// (rediss://, redis+cluster://), s3:// or tiered://"
+            "lmdb://, redis:// (rediss://, redis+cluster://), s3://, mooncake:// or tiered://"
         )
     return parser(parsed, url)

@@ -204,6 +204,28 @@ def test_a_fresh_engine_restores_a_prefix_only_the_bucket_holds(qwen_dir, s3_ser
     _assert_served(cold, warm)
 
 
+def test_a_fresh_engine_restores_a_prefix_only_the_mooncake_pool_holds(qwen_dir):
+    """Both engine processes join a Mooncake pool as clients (segment=0) that a third process holds: the
+    second one's memory tier is empty, the hybrid model's prefix comes from the pool, tokens equal."""
+    import subprocess
+    import sys
+    from urllib.parse import quote
+
+    from kvoffload.tools.bench.mooncake_server import Master
+
+    with Master() as master:
+        pool = subprocess.Popen([sys.executable, "-m", "kvoffload.tools.mooncake_pool", master.url(segment="512MiB")],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        try:
+            assert pool.stdout.readline().startswith("contributing")
+            url = f"tiered://?memory=128MiB&mooncake={quote(master.url(segment=0, namespace='vllm'), safe='')}"
+            cold, warm = vh.run_restart(qwen_dir, connector(url), [[LONG]] * 2, dtype="bfloat16", block_size=BLOCK)
+        finally:
+            pool.terminate()
+            pool.wait()
+    _assert_served(cold, warm)
+
+
 def test_store_is_never_read_under_another_conv_state_layout(qwen_dir, tmp_path):
     """vLLM's mamba conv-state layout (VLLM_SSM_CONV_STATE_LAYOUT: SD = (state_len, dim), DS = (dim,
     state_len)) keeps every page size: a store written by an SD engine must give a DS engine no hits

@@ -1,0 +1,234 @@
+"""The Mooncake tier against a real `mooncake_master` on 127.0.0.1 (the mooncake extra's wheel, its own
+HTTP metadata server, TCP transport); no mock. Round trip, tenants, damaged values, the master killed
+and restarted, a writer killed mid-put, a contributor's exit and a full pool (misses, never wrong
+bytes), the tiers in front of it, and a fresh process restoring a prefix only the pool holds."""
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from urllib.parse import quote
+
+import numpy as np
+import pytest
+
+from kvoffload.store import EntryTooLargeError, StoreConfigError, open_store
+from kvoffload.store.url_config import MooncakeSpec, parse_store_url
+from kvoffload.tools.bench.mooncake_server import Master, binary
+
+FP = b"f" * 16
+
+
+@pytest.fixture
+def master():
+    binary()  # the wheel's binary must be there: a missing one fails, never skips
+    with Master() as m:
+        yield m
+
+
+def _values(n=20, size=5000, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(f"page-{i}".encode(), rng.integers(0, 256, size, dtype=np.uint8).tobytes()) for i in range(n)]
+
+
+def _contributor(master, segment="64MiB"):
+    """A separate long-lived process holding a segment of the pool (kvoffload.tools.mooncake_pool)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvoffload.tools.mooncake_pool", master.url(segment=segment, namespace="pool")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdout.readline().startswith("contributing"), "the contributor did not join the pool"
+    return proc
+
+
+def test_url_grammar_round_trips_and_refuses_bad_options():
+    spec = parse_store_url("mooncake://10.0.0.5:50051?segment=0&namespace=t1&buffer=64MiB")
+    assert isinstance(spec, MooncakeSpec) and spec.segment == 0 and spec.buffer == 64 << 20
+    assert spec.metadata == "http://10.0.0.5:8080/metadata" and parse_store_url(spec.url(redact=False)) == spec
+    for bad, said in [
+        ("mooncake://", "master's address"),
+        ("mooncake://h:0", "port"),
+        ("mooncake://h?protocol=udp", "tcp or rdma"),
+        ("mooncake://h?device=mlx5_0", "protocol=rdma"),
+        ("mooncake://h?buffer=4KiB", "at least 1MiB"),
+        ("mooncake://h/x", "no path"),
+        ("mooncake://u:pw@h", "one master"),
+        ("tiered://?redis=redis://h&mooncake=mooncake://h", "one shared tier"),
+    ]:
+        with pytest.raises(StoreConfigError, match=said):
+            parse_store_url(bad)
+
+
+def test_no_master_is_a_clear_error_at_start_up(master):
+    master.stop()
+    started = time.monotonic()
+    with pytest.raises(StoreConfigError, match="no master answers"):
+        open_store(master.url(segment="16MiB"), fingerprint=FP)
+    assert time.monotonic() - started < 10
+
+
+def test_round_trip_byte_exact_in_batches_and_a_value_over_the_buffer_is_refused(master):
+    store = open_store(master.url(segment="128MiB", buffer="8MiB"), fingerprint=FP)
+    items = _values(40, 300_000)  # 12 MB: more than one transfer buffer each way
+    assert store.put_many(items) == [True] * 40
+    assert store.contains_many([k for k, _ in items] + [b"absent"]) == [True] * 40 + [False]
+    assert [store.get(k) for k, _ in items] == [v for _, v in items]
+    outs = [bytearray(300_000) for _ in items]
+    assert store.get_many([k for k, _ in items], outs) == [300_000] * 40
+    assert [bytes(o) for o in outs] == [v for _, v in items]
+    with pytest.raises(EntryTooLargeError):  # over the 8 MiB transfer buffer: refused before anything moves
+        store.put_many([(b"huge", os.urandom(9 << 20))])
+    stats = store.stats()
+    assert stats["puts"] == 40 and stats["dropped_puts"] == 0 and stats["hits"] == 80
+    store.close()
+
+
+def test_namespaces_are_separate(master):
+    a = open_store(master.url(segment="32MiB", namespace="a"), fingerprint=FP)
+    b = open_store(master.url(segment=0, namespace="b"), fingerprint=FP)
+    a.put(b"k", b"tenant a")
+    assert b.get(b"k") is None and b.contains_many([b"k"]) == [False]
+    b.put(b"k", b"tenant b")
+    assert a.get(b"k") == b"tenant a" and b.get(b"k") == b"tenant b"
+    b.close()
+    a.close()
+
+
+def test_damaged_and_foreign_values_are_counted_misses_and_a_save_replaces_them(master, caplog):
+    from mooncake.store import MooncakeDistributedStore
+
+    store = open_store(master.url(segment="32MiB", namespace="t"), fingerprint=FP)
+    items = _values(3, 4000)
+    assert all(store.put_many(items))
+    raw = MooncakeDistributedStore()
+    assert raw.setup("127.0.0.1", master.metadata, 0, 16 << 20, "tcp", "", f"127.0.0.1:{master.rpc_port}") == 0
+    name = store.prefix.decode() + items[0][0].hex()
+    good = raw.get(name)
+    flipped = bytearray(good)
+    flipped[-1] ^= 1
+    assert raw.upsert(name, bytes(flipped)) == 0  # one bit of the page
+    assert raw.upsert(store.prefix.decode() + items[1][0].hex(), b"not an entry") == 0
+    open_store(master.url(segment=0, namespace="t"), fingerprint=b"g" * 16).put(items[2][0], b"another layout")
+    with caplog.at_level(logging.WARNING, logger="kvoffload.store.mooncake_store"):
+        assert store.read_many([k for k, _ in items], lambda i, view: None) == [False] * 3
+    stats = store.stats()
+    assert stats["checksum_failures"] == 1 and stats["bad_header"] == 1 and stats["fingerprint_mismatch"] == 1
+    assert "failed verification" in caplog.text
+    assert all(store.put_many(items))  # upserts: the next save replaces a damaged value whole
+    assert [store.get(k) for k, _ in items] == [v for _, v in items]
+    raw.close()
+    store.close()
+
+
+def test_master_killed_gives_counted_misses_at_once_then_restarted_serves_again(master):
+    store = open_store(master.url(segment="32MiB"), fingerprint=FP)
+    items = _values(10, 2000)
+    assert all(store.put_many(items))
+    master.kill()
+    started = time.monotonic()
+    assert store.put_many(items) == [False] * 10  # no exception into the caller
+    assert [store.get(k) for k, _ in items] == [None] * 10
+    assert store.contains_many([k for k, _ in items]) == [False] * 10
+    assert time.monotonic() - started < 5
+    stats = store.stats()
+    assert stats["write_errors"] >= 10 and stats["read_errors"] >= 10
+    master.start()  # same ports; a master keeps its objects in memory only: the old values are gone
+    deadline = time.monotonic() + 60
+    while not all(store.put_many(items)):  # the back-off ends, the client mounts its segment again
+        assert time.monotonic() < deadline, "the tier did not serve again after the master came back"
+        time.sleep(0.5)
+    assert [store.get(k) for k, _ in items] == [v for _, v in items]
+    store.close()
+
+
+def test_a_writer_killed_mid_put_leaves_no_partial_value(master):
+    code = (
+        "import sys, numpy as np; from kvoffload.store import open_store; "
+        "s = open_store(sys.argv[1], fingerprint=b'f' * 16); print('open', flush=True)\n"
+        "for i in range(10**6): s.put(b'v%d' % i, np.full(4 << 20, i % 251, np.uint8).tobytes())"
+    )
+    pool = _contributor(master, "256MiB")
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, master.url(segment=0)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        assert proc.stdout.readline().strip() == "open"
+        time.sleep(1.0)  # puts under way
+        proc.kill()
+        proc.wait()
+        store = open_store(master.url(segment=0), fingerprint=FP)
+        seen = 0
+        for i in range(400):
+            value = store.get(b"v%d" % i)
+            if value is not None:  # whole and verified, or nothing
+                assert value == bytes([i % 251]) * (4 << 20)
+                seen += 1
+        assert seen > 0 and store.stats()["checksum_failures"] == 0
+        store.close()
+    finally:
+        pool.terminate()
+        pool.wait()
+
+
+def test_a_contributors_exit_and_a_full_pool_give_misses_never_wrong_bytes(master):
+    pool = _contributor(master, "32MiB")
+    store = open_store(master.url(segment=0), fingerprint=FP)  # a client only: values live in the pool's segment
+    items = _values(8, 1 << 20, seed=1)
+    assert all(store.put_many(items))
+    assert [store.get(k) for k, _ in items] == [v for _, v in items]
+    more = _values(60, 1 << 20, seed=2)  # 60 MiB into a 32 MiB segment: Mooncake evicts
+    store.put_many([(b"more-" + k, v) for k, v in more])
+    got = [store.get(b"more-" + k) for k, _ in more] + [store.get(k) for k, _ in items]
+    expected = [v for _, v in more] + [v for _, v in items]
+    assert any(g is None for g in got) and any(g is not None for g in got)
+    assert all(g is None or g == e for g, e in zip(got, expected))
+    pool.kill()  # the contributor dies: its segment goes after the master's client_ttl
+    pool.wait()
+    deadline = time.monotonic() + 30
+    while any(store.contains_many([b"more-" + k for k, _ in more])):
+        assert time.monotonic() < deadline, "the dead contributor's values stayed listed"
+        time.sleep(0.5)
+    assert all(store.get(b"more-" + k) is None for k, _ in more)
+    assert store.stats()["checksum_failures"] == 0
+    store.close()
+
+
+def test_tiered_writes_behind_into_the_pool_and_a_fresh_host_reads_through(master, tmp_path):
+    pool = _contributor(master, "64MiB")
+    try:
+        shared = quote(master.url(segment=0, namespace="tiered"), safe="")
+        items = _values(30, 20_000)
+        with open_store(f"tiered://?memory=8MiB&mooncake={shared}", fingerprint=FP) as store:
+            assert all(store.put_many(items))
+        direct = open_store(master.url(segment=0, namespace="tiered"), fingerprint=FP)
+        assert direct.contains_many([k for k, _ in items]) == [True] * 30  # written behind, reached the pool
+        direct.close()
+        fresh = f"tiered://?memory=8MiB&lmdb={tmp_path}/lmdb&lmdb_capacity=64MiB&mooncake={shared}"
+        with open_store(fresh, fingerprint=FP) as store:
+            assert [store.get(k) for k, _ in items] == [v for _, v in items]
+        lmdb = open_store(f"lmdb://{tmp_path}/lmdb?capacity=64MiB", fingerprint=FP)
+        assert lmdb.contains_many([k for k, _ in items]) == [True] * 30  # read-through copied them into LMDB
+    finally:
+        pool.terminate()
+        pool.wait()
+
+
+@pytest.mark.slow
+def test_a_fresh_runner_restores_a_prefix_only_the_pool_holds(master, tiny_checkpoint):
+    """Two runner processes sharing nothing but the pool (a third process contributes its memory): tokens
+    equal to the cold run, pages byte-equal."""
+    from kvoffload.tools.verify import verify
+
+    pool = _contributor(master, "256MiB")
+    try:
+        report = verify(master.url(segment=0, namespace="verify"), model_dir=tiny_checkpoint, separate=True)
+    finally:
+        pool.terminate()
+        pool.wait()
+    assert report["ok"], report["problems"]
+    assert all(p["tokens_equal"] and p["pages_equal"] for p in report["prompts"])
+    assert report["separate"] and report["counters"]["warm"]["loaded_pages"] > 0

@@ -13,7 +13,8 @@ Values: `kvoffload:<namespace>:<page key, hex>`, each the entry header and the p
 damaged, truncated or foreign value is a counted miss. Writes are upserts, so a damaged value is replaced
 whole by the next save. A Mooncake put allocates, transfers, then commits: a client killed mid-put leaves
 no value visible. Each batch of pages is one `upsert_batch` / `get_batch` / `batch_is_exist` call, as many
-pages as fit the client's transfer buffer (`buffer=`), which bounds an entry's size.
+pages as fit the client's transfer buffer (`buffer=`), which bounds an entry's size; a page of PARTS_BYTES
+or more goes in a call of its own, as header and page (`upsert_parts`: no joined copy of the page).
 
 Failures: the client returns error codes and never raises. A refused or failed call to the master or a
 peer (an RPC or transfer failure) makes the pool skipped for NODE_RETRY_SECONDS: reads are counted misses,
@@ -35,6 +36,7 @@ from .url_config import MooncakeSpec
 NOT_FOUND = -704  # OBJECT_NOT_FOUND
 OUTAGE = -800  # codes at or below: a transfer (-8xx) or RPC (-9xx) failure, the master or a peer is out
 DEFAULT_VALUE_BYTES = 1 << 20  # the value size a read plans its batches with before it has seen one
+PARTS_BYTES = 1 << 20  # values from this size go as header + page (`upsert_parts`): no joined copy
 
 
 def _client_class():
@@ -135,22 +137,15 @@ class MooncakeStore(RemoteTier):
         written = [False] * len(views)
         sizes = [view.nbytes + self.entry_overhead for _, view in views]
         self._value_bytes = max(self._value_bytes, *sizes, 0)
-        for start, end in self._batches(sizes):
-            batch = list(range(start, end))
-            names = [self._name(views[i][0]) for i in batch]
-            values = [self._wrap(views[i][1]) for i in batch]
-            code = self._call("write_errors", len(batch), self.client.upsert_batch, names, values)
-            if code is None or self._outage(code, "write_errors", len(batch)):
-                continue
-            if code == 0:
-                for i in batch:
-                    written[i] = True
-                continue
-            for i, name, value in zip(batch, names, values):  # which failed: one at a time (the rare path)
-                code = self._call("write_errors", 1, self.client.upsert, name, value)
-                written[i] = code == 0
-                if code is not None and self._outage(code, "write_errors", 1):
-                    break
+        small = [i for i, size in enumerate(sizes) if size < PARTS_BYTES]
+        for start, end in self._batches([sizes[i] for i in small]):
+            self._put_batch(views, small[start:end], written)
+        for i in (i for i, size in enumerate(sizes) if size >= PARTS_BYTES):  # a call each: no copy of the page
+            key, view = views[i]
+            code = self._call("write_errors", 1, self.client.upsert_parts, self._name(key), self._header(view), view)
+            written[i] = code == 0
+            if code is not None and self._outage(code, "write_errors", 1):
+                break
         ok = sum(written)
         self._count(
             puts=ok,
@@ -158,6 +153,23 @@ class MooncakeStore(RemoteTier):
             dropped_puts=len(views) - ok,
         )
         return written
+
+    def _put_batch(self, views, batch: list[int], written: list[bool]) -> None:
+        """One upsert of the values `batch` indexes (their bytes fit the transfer buffer together)."""
+        names = [self._name(views[i][0]) for i in batch]
+        values = [self._wrap(views[i][1]) for i in batch]
+        code = self._call("write_errors", len(batch), self.client.upsert_batch, names, values)
+        if code is None or self._outage(code, "write_errors", len(batch)):
+            return
+        if code == 0:
+            for i in batch:
+                written[i] = True
+            return
+        for i, name, value in zip(batch, names, values):  # which failed: one at a time (the rare path)
+            code = self._call("write_errors", 1, self.client.upsert, name, value)
+            written[i] = code == 0
+            if code is not None and self._outage(code, "write_errors", 1):
+                return
 
     def read_many(self, keys: Sequence[bytes], consume: Callable[[int, memoryview], None]) -> list[bool]:
         served = [False] * len(keys)

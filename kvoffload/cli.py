@@ -21,6 +21,7 @@ BENCHMARKS = {  # name -> (kvoffload.tools.bench module, what it measures)
     "overhead": ("overhead", "vLLM engine: step time with the connector and no hits"),
     "redis": ("redis_tier", "Redis tier GB/s against raw pipelined SET/GET"),
     "s3": ("s3_tier", "S3 tier GB/s, p50/p99 against raw obstore/boto3, LMDB, loopback HTTP"),
+    "mooncake": ("mooncake_tier", "Mooncake tier GB/s, p50/p99 against its raw client, Redis, loopback TCP"),
     "faults": ("faults", "LMDB fault campaign: killed writers, damaged files, contention"),
     "datapath": ("datapath", "save/load through the real tiers against raw copies and reads (GPU)"),
     "stall": ("stall", "vLLM engine: decode-step stalls while another request's prefix moves"),
@@ -162,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.set_defaults(func=_demo)
     ver = sub.add_parser("verify", help="prove cold == warm on the bundled runner; exit 0 only if all equal")
     ver.add_argument(
-        "--store", default="memory://?capacity=1GiB", help="memory://, lmdb://, redis://, s3:// or tiered:// URL"
+        "--store",
+        default="memory://?capacity=1GiB",
+        help="memory://, lmdb://, redis://, s3://, mooncake:// or tiered:// URL",
     )
     source = ver.add_mutually_exclusive_group()
     source.add_argument(

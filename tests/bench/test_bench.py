@@ -111,6 +111,15 @@ def test_s3_benchmark_json(tmp_path):
             assert 0 < row[target]["get"]["p50_ms"] <= row[target]["get"]["p99_ms"], target
 
 
+def test_mooncake_benchmark_json(tmp_path):
+    result = _bench("mooncake", tmp_path)
+    assert [r["value"] for r in result["results"]] == ["72KiB", "2MiB"]
+    for row in result["results"]:
+        for target in ("mooncake", "redis", "raw_mooncake", "raw_loopback_tcp"):
+            assert row[target]["save_GBps"] > 0 and row[target]["load_GBps"] > 0, target
+            assert 0 < row[target]["get"]["p50_ms"] <= row[target]["get"]["p99_ms"], target
+
+
 def test_faults_benchmark_json(tmp_path):
     result = _bench("faults", tmp_path)
     r = result["results"]

@@ -160,6 +160,17 @@ def _s3(ax, result):
     ax.set(ylabel="GB/s", title="S3 tier vs raw clients, LMDB and a loopback HTTP copy (same run)")
 
 
+def _mooncake(ax, result):
+    rows = result["results"]
+    tiers = [k for k in rows[0] if isinstance(rows[0][k], dict)]  # mooncake, redis, raw_mooncake, raw_loopback_tcp
+    series = {}
+    for tier in tiers:
+        series[f"{tier} save"] = [r[tier]["save_GBps"] for r in rows]
+        series[f"{tier} load"] = [r[tier]["load_GBps"] for r in rows]
+    _bars(ax, [r["value"] for r in rows], series)
+    ax.set(ylabel="GB/s", title="Mooncake tier vs its raw client, Redis and a loopback TCP copy (same run)")
+
+
 def _faults(ax, result):
     r = result["results"]
     sigkill = r["sigkill"]
@@ -261,6 +272,7 @@ DRAW = {
     "transfer": _transfer,
     "redis": _redis,
     "s3": _s3,
+    "mooncake": _mooncake,
     "faults": _faults,
     "datapath": _datapath,
     "stall": _stall,

@@ -170,16 +170,16 @@ def _ignore(i: int, view: memoryview) -> None:
     pass
 
 
-def _store_target(store, label: str, keys: list[str], values: list[bytes]):
+def _store_target(store, label: str, keys: list[str], values: list[bytes], bench: str = "s3"):
     bkeys = [f"{label}-{k}".encode() for k in keys]
 
     def save():
         if not all(store.put_many(list(zip(bkeys, values)))):
-            raise RuntimeError(f"bench s3: {label} dropped a value")
+            raise RuntimeError(f"bench {bench}: {label} dropped a value")
 
     def load():
         if not all(store.read_many(bkeys, lambda i, v: None)):
-            raise RuntimeError(f"bench s3: {label} missed a value")
+            raise RuntimeError(f"bench {bench}: {label} missed a value")
 
     return save, load, lambda i: store.put_many([(bkeys[i], values[i])]), lambda i: store.read_many([bkeys[i]], _ignore)
 

@@ -232,3 +232,82 @@ def test_a_fresh_runner_restores_a_prefix_only_the_pool_holds(master, tiny_check
     assert report["ok"], report["problems"]
     assert all(p["tokens_equal"] and p["pages_equal"] for p in report["prompts"])
     assert report["separate"] and report["counters"]["warm"]["loaded_pages"] > 0
+
+
+class _TwoHosts:
+    """Host B: a network namespace of its own joined to this one (host A) by a veth pair, on a /24 of
+    addresses no other host uses; `b(cmd)` runs a command on host B."""
+
+    def __init__(self):
+        import random
+
+        tag = f"kvo{os.getpid() % 100000}"
+        self.ns, self.veth = f"{tag}b", (f"{tag}a", f"{tag}b")
+        net = f"10.213.{random.randrange(1, 250)}"
+        self.a, self.b_address = f"{net}.1", f"{net}.2"
+        steps = [
+            ["ip", "netns", "add", self.ns],
+            ["ip", "link", "add", self.veth[0], "type", "veth", "peer", "name", self.veth[1]],
+            ["ip", "link", "set", self.veth[1], "netns", self.ns],
+            ["ip", "addr", "add", f"{self.a}/24", "dev", self.veth[0]],
+            ["ip", "link", "set", self.veth[0], "up"],
+            ["ip", "netns", "exec", self.ns, "ip", "addr", "add", f"{self.b_address}/24", "dev", self.veth[1]],
+            ["ip", "netns", "exec", self.ns, "ip", "link", "set", self.veth[1], "up"],
+            ["ip", "netns", "exec", self.ns, "ip", "link", "set", "lo", "up"],
+            # every address of host A through the link (Mooncake's TCP transport names its host's own)
+            ["ip", "netns", "exec", self.ns, "ip", "route", "add", "default", "via", self.a],
+        ]
+        for step in steps:
+            done = subprocess.run(step, capture_output=True, text=True)
+            if done.returncode != 0:
+                self.close()
+                raise OSError(f"{' '.join(step)}: {done.stderr.strip()}")
+
+    def b(self, cmd: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.ns, *cmd]
+
+    def close(self) -> None:
+        subprocess.run(["ip", "link", "del", self.veth[0]], capture_output=True)
+        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
+
+
+@pytest.mark.slow
+def test_two_hosts_a_prefix_saved_on_one_is_restored_on_the_other(tiny_checkpoint, monkeypatch):
+    """Host A (this network namespace) runs the master, a pool contributor and the cold runner; host B
+    (a namespace of its own behind a veth pair) runs the warm runner, a fresh process that reaches the
+    pool over the link only: tokens equal to the cold run, pages byte-equal. Where namespaces cannot be
+    made (no root, no `ip`), the test says so and runs the same flow over loopback."""
+    import warnings
+
+    from kvoffload.tools import verify as verify_module
+
+    try:
+        hosts = _TwoHosts()
+    except OSError as exc:
+        warnings.warn(f"no network namespaces here ({exc}): the two-host flow runs over loopback", stacklevel=1)
+        hosts = None
+    try:
+        with Master(host=hosts.a if hosts else "127.0.0.1") as master:
+            pool = _contributor(master, "256MiB")
+            real_run, calls = subprocess.run, []
+
+            def warm_on_host_b(cmd, *args, **kwargs):  # verify's second phase process: on host B
+                if "kvoffload.tools.verify" not in cmd:
+                    return real_run(cmd, *args, **kwargs)
+                calls.append(cmd)
+                return real_run(hosts.b(cmd) if hosts and len(calls) == 2 else cmd, *args, **kwargs)
+
+            monkeypatch.setattr(verify_module.subprocess, "run", warm_on_host_b)
+            try:
+                url = master.url(segment=0, namespace="two-hosts")
+                report = verify_module.verify(url, model_dir=tiny_checkpoint, separate=True)
+            finally:
+                pool.terminate()
+                pool.wait()
+    finally:
+        if hosts:
+            hosts.close()
+    assert len(calls) == 2
+    assert report["ok"], report["problems"]
+    assert all(p["tokens_equal"] and p["pages_equal"] for p in report["prompts"])
+    assert report["counters"]["warm"]["loaded_pages"] > 0

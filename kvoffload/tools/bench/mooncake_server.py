@@ -1,7 +1,7 @@
-"""A real Mooncake master on 127.0.0.1 for the Mooncake benchmark and tests: the `mooncake_master` binary
-of the `mooncake-transfer-engine` wheel, with its own HTTP metadata server (no etcd). Every port is a
-free loopback port chosen here; a master stopped and started again keeps its ports (not its objects:
-Mooncake's master keeps its metadata in memory)."""
+"""A real Mooncake master for the Mooncake benchmark and tests: the `mooncake_master` binary of the
+`mooncake-transfer-engine` wheel, with its own HTTP metadata server (no etcd), on 127.0.0.1 or another
+address of this host (`host`). Every port is a free port chosen here; a master stopped and started
+again keeps its ports (not its objects: Mooncake's master keeps its metadata in memory)."""
 
 from __future__ import annotations
 
@@ -34,28 +34,31 @@ def binary() -> str:
 class Master:
     """`client_ttl`: seconds after a client's last heartbeat before its segment is dropped."""
 
-    def __init__(self, *, client_ttl: int = 2, lease_ms: int = 500, ready_timeout: float = 30.0):
+    def __init__(
+        self, *, host: str = "127.0.0.1", client_ttl: int = 2, lease_ms: int = 500, ready_timeout: float = 30.0
+    ):
+        self.host = host
         self.rpc_port, self.http_port, self.metrics_port = free_ports(3)
         self.client_ttl, self.lease_ms, self.ready_timeout = client_ttl, lease_ms, ready_timeout
         self.process: subprocess.Popen | None = None
 
     @property
     def metadata(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}/metadata"
+        return f"http://{self.host}:{self.http_port}/metadata"
 
     def url(self, **options) -> str:
         """A mooncake:// URL of this master, with `options` (segment=, namespace=, ...)."""
         query = "&".join(f"{k}={quote(str(v), safe='')}" for k, v in {"metadata": self.metadata, **options}.items())
-        return f"mooncake://127.0.0.1:{self.rpc_port}?{query}"
+        return f"mooncake://{self.host}:{self.rpc_port}?{query}"
 
     def start(self) -> None:
         args = [
             binary(),
             f"--rpc_port={self.rpc_port}",
-            "--rpc_address=127.0.0.1",
+            f"--rpc_address={self.host}",
             "--enable_http_metadata_server=true",
             f"--http_metadata_server_port={self.http_port}",
-            "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_host={self.host}",
             f"--metrics_port={self.metrics_port}",
             "--metrics_host=127.0.0.1",
             f"--client_ttl={self.client_ttl}",
@@ -68,7 +71,7 @@ class Master:
                 raise RuntimeError(f"mooncake_master exited ({self.process.returncode}) at start-up")
             try:
                 for port in (self.rpc_port, self.http_port):
-                    socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                    socket.create_connection((self.host, port), timeout=0.2).close()
                 return
             except OSError:
                 time.sleep(0.05)

@@ -16,10 +16,13 @@ no value visible. Each batch of pages is one `upsert_batch` / `get_batch` / `bat
 pages as fit the client's transfer buffer (`buffer=`), which bounds an entry's size; a page of PARTS_BYTES
 or more goes in a call of its own, as header and page (`upsert_parts`: no joined copy of the page).
 
-Failures: the client returns error codes and never raises. A refused or failed call to the master or a
-peer (an RPC or transfer failure) makes the pool skipped for NODE_RETRY_SECONDS: reads are counted misses,
-writes dropped and counted; a full pool drops that batch's writes without a back-off. When the master is
-back, the client mounts its segment again and the tier serves again."""
+Failures: the client returns error codes and never raises, but a hung master holds a call for half a
+minute or more: every call runs on a thread of its own and is given up after `timeout=` seconds (the
+call finishes or fails in the background; a value it writes late is verified like any other). A refused,
+failed or timed-out call to the master or a peer (an RPC or transfer failure) makes the pool skipped for
+NODE_RETRY_SECONDS: reads are counted misses, writes dropped and counted; a full pool drops that batch's
+writes without a back-off. When the master is back, the client mounts its segment again and the tier
+serves again."""
 
 from __future__ import annotations
 
@@ -105,12 +108,29 @@ class MooncakeStore(RemoteTier):
         return self.prefix.decode() + key.hex()
 
     def _call(self, what: str, count: int, fn, *args):
-        """`fn(*args)` on the client unless the pool is backed off (None, `count` keys counted `what`)."""
+        """`fn(*args)` on the client, given up after the timeout; None (`count` keys counted `what`) where the
+        pool is backed off, the call timed out, or an earlier call still holds the client that long."""
         if self._is_down():
             self._count(**{what: count})
             return None
-        with self._lock:
-            return fn(*args)
+        timeout = self.spec.timeout
+        if not self._lock.acquire(timeout=timeout):
+            self._failed("", TimeoutError(f"a call has held the client for over {timeout} s"), what, count)
+            return None
+        done, result = threading.Event(), [None]
+
+        def run() -> None:
+            try:
+                result[0] = fn(*args)
+            finally:
+                self._lock.release()
+                done.set()
+
+        threading.Thread(target=run, name="kvoffload-mooncake", daemon=True).start()
+        if not done.wait(timeout):
+            self._failed("", TimeoutError(f"no answer within {timeout} s"), what, count)
+            return None
+        return result[0]
 
     def _outage(self, code: int, what: str, count: int) -> bool:
         """True (counted, logged, backed off) where `code` says the master or a peer is out."""
@@ -230,5 +250,8 @@ class MooncakeStore(RemoteTier):
         return {"entries": -1, "bytes_used": -1, "segment": self.spec.segment}
 
     def close(self) -> None:
-        with self._lock:
-            self.client.close()
+        if self._lock.acquire(timeout=self.spec.timeout):  # a call still stuck on a hung master: leave it
+            try:
+                self.client.close()
+            finally:
+                self._lock.release()

@@ -48,6 +48,7 @@ errors); `spec.url(redact=False)` parses back to an equal spec.
                    pool that long-lived contributors hold)
         buffer     this process's transfer buffer; a value must fit in it (default 128MiB)
         namespace  keys are kvoffload:<namespace>:<page key, hex> (default "default")
+        timeout    seconds any call may take, a positive number (default 5)
         capacity   the tier's declared size (default: segment)
 
     tiered://?memory=4GiB&lmdb=/abs/dir&lmdb_capacity=16GiB&redis=<redis URL>&write=behind ...
@@ -97,6 +98,7 @@ DEFAULT_S3_REGION = "us-east-1"
 DEFAULT_MOONCAKE_PORT = 50051  # the master's RPC port
 DEFAULT_MOONCAKE_SEGMENT = "1GiB"
 DEFAULT_MOONCAKE_BUFFER = "128MiB"
+DEFAULT_MOONCAKE_TIMEOUT = 5.0
 REDIS_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
 TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
 
@@ -236,6 +238,7 @@ class MooncakeSpec:
     buffer: int = 128 << 20
     namespace: str = "default"
     capacity: int | None = None  # None: segment
+    timeout: float = DEFAULT_MOONCAKE_TIMEOUT
 
     @property
     def master(self) -> str:
@@ -247,7 +250,7 @@ class MooncakeSpec:
             options["device"] = self.device
         if self.local:
             options["local"] = self.local
-        options.update(segment=self.segment, buffer=self.buffer, namespace=self.namespace)
+        options.update(segment=self.segment, buffer=self.buffer, namespace=self.namespace, timeout=repr(self.timeout))
         if self.capacity is not None:
             options["capacity"] = self.capacity
         return f"mooncake://{self.master}?{_query(options)}"
@@ -411,7 +414,9 @@ def _s3(parsed: StoreURL, url: str) -> S3Spec:
 
 
 def _mooncake(parsed: StoreURL, url: str) -> MooncakeSpec:
-    opts = parsed.take({"metadata", "protocol", "device", "local", "segment", "buffer", "namespace", "capacity"})
+    opts = parsed.take(
+        {"metadata", "protocol", "device", "local", "segment", "buffer", "namespace", "capacity", "timeout"}
+    )
     shown = redact_url(url)
     parts = urlsplit(url)
     netloc = parts.netloc
@@ -435,6 +440,12 @@ def _mooncake(parsed: StoreURL, url: str) -> MooncakeSpec:
             f"mooncake:// metadata= is the metadata server's URL (http://host:port/metadata), got {metadata[:60]!r}"
         )
     buffer = parse_size(opts.get("buffer", DEFAULT_MOONCAKE_BUFFER), "mooncake buffer")
+    try:
+        timeout = _timeout(opts.get("timeout", str(DEFAULT_MOONCAKE_TIMEOUT)))
+    except StoreConfigError:
+        raise StoreConfigError(
+            f"mooncake timeout={opts['timeout'][:40]!r}: give the seconds a call may take, a positive number such as 5"
+        ) from None
     given = opts.get("segment", DEFAULT_MOONCAKE_SEGMENT)
     segment = 0 if given.strip() == "0" else parse_size(given, "mooncake segment")  # 0: a client only
     if buffer < 1 << 20:
@@ -450,6 +461,7 @@ def _mooncake(parsed: StoreURL, url: str) -> MooncakeSpec:
         buffer,
         opts.get("namespace", "default"),
         parse_size(opts["capacity"], "mooncake capacity") if opts.get("capacity") else None,
+        timeout,
     )
 
 

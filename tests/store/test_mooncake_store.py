@@ -56,6 +56,7 @@ def test_url_grammar_round_trips_and_refuses_bad_options():
         ("mooncake://h?buffer=4KiB", "at least 1MiB"),
         ("mooncake://h/x", "no path"),
         ("mooncake://u:pw@h", "one master"),
+        ("mooncake://h?timeout=0", "positive number"),
         ("tiered://?redis=redis://h&mooncake=mooncake://h", "one shared tier"),
     ]:
         with pytest.raises(StoreConfigError, match=said):
@@ -141,6 +142,30 @@ def test_master_killed_gives_counted_misses_at_once_then_restarted_serves_again(
         assert time.monotonic() < deadline, "the tier did not serve again after the master came back"
         time.sleep(0.5)
     assert [store.get(k) for k, _ in items] == [v for _, v in items]
+    store.close()
+
+
+def test_a_hung_master_costs_one_timeout_then_is_skipped_and_serves_again(master):
+    import signal
+
+    store = open_store(master.url(segment="32MiB", timeout=1), fingerprint=FP)
+    items = _values(5, 2000)
+    assert all(store.put_many(items))
+    master.process.send_signal(signal.SIGSTOP)  # alive, answering nothing: Mooncake's own calls wait 30 s+
+    try:
+        started = time.monotonic()
+        assert store.get(items[0][0]) is None
+        assert time.monotonic() - started < 3  # one timeout
+        started = time.monotonic()
+        assert store.put_many(items) == [False] * 5 and store.contains_many([items[0][0]]) == [False]
+        assert time.monotonic() - started < 0.5  # skipped at once while backed off
+        assert store.stats()["read_errors"] >= 1 and store.stats()["write_errors"] >= 5
+    finally:
+        master.process.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + 60
+    while store.get(items[0][0]) != items[0][1]:  # the back-off ends; the values were never lost
+        assert time.monotonic() < deadline, "the tier did not serve again after the master woke"
+        time.sleep(0.5)
     store.close()
 
 

@@ -149,26 +149,24 @@ def _redis(ax, result):
     ax.set(ylabel="GB/s", title="Redis tier vs raw SET/GET through the same client")
 
 
-def _s3(ax, result):
+def _tiers(ax, result, title: str):
+    """Save and load GB/s of every target in each row (the tier, its raw client, the baselines)."""
     rows = result["results"]
-    tiers = [k for k in rows[0] if isinstance(rows[0][k], dict)]  # s3, lmdb, raw_obstore, raw_boto3, ...
+    tiers = [k for k in rows[0] if isinstance(rows[0][k], dict)]
     series = {}
     for tier in tiers:
         series[f"{tier} save"] = [r[tier]["save_GBps"] for r in rows]
         series[f"{tier} load"] = [r[tier]["load_GBps"] for r in rows]
     _bars(ax, [r["value"] for r in rows], series)
-    ax.set(ylabel="GB/s", title="S3 tier vs raw clients, LMDB and a loopback HTTP copy (same run)")
+    ax.set(ylabel="GB/s", title=title)
+
+
+def _s3(ax, result):
+    _tiers(ax, result, "S3 tier vs raw clients, LMDB and a loopback HTTP copy (same run)")
 
 
 def _mooncake(ax, result):
-    rows = result["results"]
-    tiers = [k for k in rows[0] if isinstance(rows[0][k], dict)]  # mooncake, redis, raw_mooncake, raw_loopback_tcp
-    series = {}
-    for tier in tiers:
-        series[f"{tier} save"] = [r[tier]["save_GBps"] for r in rows]
-        series[f"{tier} load"] = [r[tier]["load_GBps"] for r in rows]
-    _bars(ax, [r["value"] for r in rows], series)
-    ax.set(ylabel="GB/s", title="Mooncake tier vs its raw client, Redis and a loopback TCP copy (same run)")
+    _tiers(ax, result, "Mooncake tier vs its raw client, Redis and a loopback TCP copy (same run)")
 
 
 def _faults(ax, result):

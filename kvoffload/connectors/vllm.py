@@ -78,14 +78,15 @@ if TYPE_CHECKING:
 
 def _log_through_vllm() -> None:
     """kvoffload's log lines in vLLM's log, in its format and at its level: Python drops the INFO lines of
-    a logger nobody configured. An application that configured the `kvoffload` logger keeps its own."""
+    a logger nobody configured. An application that configured the `kvoffload` logger keeps its own; one
+    that gave the root logger handlers gets the lines there (they propagate), not twice."""
     ours, theirs = logging.getLogger("kvoffload"), logging.getLogger("vllm")
     if ours.handlers or ours.level != logging.NOTSET or not theirs.handlers:
         return
     ours.setLevel(theirs.getEffectiveLevel())
-    for handler in theirs.handlers:
-        ours.addHandler(handler)
-    ours.propagate = False
+    if not logging.getLogger().handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
 
 
 __all__ = ["KVOffloadConnector", "KVOffloadMetadata", "LoadJob", "SaveJob", "StoredPages", "EXTRA_CONFIG_KEYS"]

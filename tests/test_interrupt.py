@@ -19,8 +19,11 @@ def _interrupt_after(args, ready: str, tmp_path, settle=1.0, wait_s=240.0):
     """Start `kvoffload ARGS` in its own process group (as a terminal's foreground job), send the group
     SIGINT `settle` seconds after stderr shows `ready`, and return (exit status, stderr, seconds to exit)."""
     env = subprocess_env(XDG_CACHE_HOME=str(tmp_path / "cache"))
+    # SIGINT as a terminal's foreground job has it: a suite started in the background (`cmd &` in a script)
+    # passes it on ignored, and Python never turns an ignored SIGINT into KeyboardInterrupt
     proc = subprocess.Popen([sys.executable, "-m", "kvoffload.cli", *args], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen, deadline = "", time.monotonic() + wait_s
     while ready not in seen:
         assert time.monotonic() < deadline and proc.poll() is None, seen[-3000:]

@@ -53,7 +53,7 @@ def test_url_grammar_round_trips_and_refuses_credentials():
         parse_store_url("s3://key:secret@bucket/x")
     with pytest.raises(StoreConfigError, match="endpoint"):
         parse_store_url("s3://bucket?endpoint=127.0.0.1:8333")
-    with pytest.raises(StoreConfigError, match="redis= or s3="):
+    with pytest.raises(StoreConfigError, match="one shared tier"):
         parse_store_url("tiered://?redis=redis://h:1/0&s3=s3://b")
     tiered = parse_store_url("tiered://?memory=1MiB&lmdb=/x&s3=s3%3A%2F%2Fb%2Fp%3Fcapacity%3D1GiB")
     assert tiered.s3 == S3Spec("b", "p", capacity=1 << 30) and parse_store_url(tiered.url(redact=False)) == tiered

@@ -5,7 +5,8 @@ TORCH_SPEC  ?= torch==2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 CACHE_DIR   ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kvoffload
 PYTEST_ARGS ?=
-# pytest-xdist workers (auto: one per core); tests are spread one by one (`--dist load`)
+# pytest-xdist workers (auto: one per core); tests are spread one by one (`--dist load`); the 25 slowest are
+# listed at the end (where the suite's time goes)
 TEST_WORKERS ?= auto
 
 # tomllib (below) and the project need Python >= 3.11: say so before anything else fails
@@ -25,7 +26,7 @@ demo: env
 	kvoffload demo
 
 test: env lint
-	python -m pytest -n $(TEST_WORKERS) --dist load $(PYTEST_ARGS)
+	python -m pytest -n $(TEST_WORKERS) --dist load --durations=25 $(PYTEST_ARGS)
 
 # ruff (lint, format) and mypy over the package and the runner (their settings: pyproject.toml)
 lint: env

@@ -81,7 +81,9 @@ class MooncakeStore(RemoteTier):
         spec = self.spec
         self.capacity = spec.capacity if spec.capacity is not None else spec.segment
         self._value_bytes = DEFAULT_VALUE_BYTES  # the largest value seen: how many keys a read asks at once
-        self._lock = threading.Lock()  # the client's calls: one at a time (its buffer is one arena)
+        # the client's calls, one at a time (its buffer is one arena); held by the thread running the call, no other
+        # lock taken under it (the counters' lock is taken only by the caller, outside it)
+        self._lock = threading.Lock()
         client_class = _client_class()
         try:  # Mooncake's setup retries a dead master for over a minute: ask once, here, first
             socket.create_connection((spec.host, spec.port), timeout=5).close()

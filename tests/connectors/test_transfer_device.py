@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvoffload import open_store
+from kvoffload.connectors import batch_plan
 from kvoffload.connectors.device_transfer import STAGING_SLOTS, DeviceTransfer, on_stream
 from kvoffload.connectors.plan import Page
 from kvoffload.connectors.span_copy import PageCopier, word_size
@@ -34,6 +35,11 @@ def _groups():
     return paged, state
 
 
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def _transfer(buffer, use_triton, **options):
     return DeviceTransfer(buffer, use_triton=use_triton, **options)
 
@@ -47,7 +53,7 @@ def test_pages_round_trip_byte_exact_across_staging_batches(device, use_triton, 
     items = [Page(f"k{g.name}{b}".encode(), g, b, b) for b in range(3, 20) for g in (paged, state)]
     # a staging slot of ~3 pages: many batches, both slots reused, one page larger than nothing else fits
     transfer = _transfer(source.to(device), use_triton, staging_bytes=3 * paged.used_bytes_per_block)
-    assert len(transfer.batches(items)) > 4
+    assert len(batch_plan.batches(items, transfer.staging_bytes)) > 4
     store = open_store(f"memory://?capacity=4MiB&pinned={pinned}")
     assert transfer.save(store, items) == [True] * len(items)
     for p in items:
@@ -98,14 +104,11 @@ def test_a_load_of_several_batches_advises_the_store_of_its_pages_first(device, 
 def test_batches_fit_the_staging_bytes_and_take_at_most_batch_pages(monkeypatch):
     """Greedy batches: as many pages as fit a slot (a larger page alone), and at most BATCH_PAGES so
     that small pages' host work overlaps the neighbouring batch's DMA; every page in exactly one."""
-    from kvoffload.connectors import device_transfer
-
-    monkeypatch.setattr(device_transfer, "BATCH_PAGES", 5)
-    transfer = DeviceTransfer(torch.zeros(64, dtype=torch.uint8), staging_bytes=1000)
+    monkeypatch.setattr(batch_plan, "BATCH_PAGES", 5)
     rng = np.random.default_rng(7)
     for _ in range(300):
         sizes = rng.integers(1, 1500, rng.integers(0, 40))
-        cuts = transfer._cuts(sizes)
+        cuts = batch_plan.cuts(sizes, 1000)
         assert cuts[0] == 0 and cuts[-1] == len(sizes) and all(a < b for a, b in zip(cuts, cuts[1:]))
         for a, b in zip(cuts, cuts[1:]):
             assert b - a <= 5 and (b - a == 1 or sizes[a:b].sum() <= 1000)
@@ -399,16 +402,16 @@ def test_page_tables_read_in_host_memory_uploaded_or_falling_back_move_the_same_
     assert int(back.count_nonzero()) <= 3 * n  # nothing outside the pages was written
 
 
-@pytest.mark.skipif(not GPU, reason="the in-place arena paths run on a GPU only")
-def test_interleaved_groups_move_in_runs_and_answer_in_the_callers_order(monkeypatch):
+@pytest.mark.parametrize("device,use_triton", PATHS)
+def test_interleaved_groups_move_in_runs_and_answer_in_the_callers_order(device, use_triton, monkeypatch):
     """Every group's page of a block, block after block: each group's pages are moved together, so the
     arena's adjacent slots go in one copy per run (not one per page), and the outcomes (misses among
     them) still come back in the caller's order, the bytes in their own blocks."""
     from kvoffload.connectors import device_transfer as dt
 
     paged, state = _groups()
-    source = torch.randint(0, 256, (48 * STRIDE,), dtype=torch.uint8, device="cuda")
-    transfer = _transfer(source, TRITON)
+    source = torch.randint(0, 256, (48 * STRIDE,), dtype=torch.uint8, device=device)
+    transfer = _transfer(source, use_triton)
     from kvoffload.store import MemoryStore
 
     store = MemoryStore(8 << 20, chunk_bytes=2 << 20)  # a chunk per size class, slots taken in order
@@ -417,7 +420,8 @@ def test_interleaved_groups_move_in_runs_and_answer_in_the_callers_order(monkeyp
     real_runs = dt.runs
     monkeypatch.setattr(dt, "runs", lambda *a: copies.append(real_runs(*a)) or copies[-1])
     assert transfer.save(store, items) == [True] * len(items)
-    assert sum(map(len, copies)) <= 2 * len(transfer.batches(items))  # a run per group and batch at most
+    batches = len(batch_plan.batches(items, transfer.staging_bytes))
+    assert sum(map(len, copies)) <= 2 * batches  # a run per group and batch at most
     before = HostTransfer(source.cpu())
     for p in items:
         assert bytes(store.get(p.key)) == before.gather(p.group, p.block).tobytes()
@@ -428,8 +432,8 @@ def test_interleaved_groups_move_in_runs_and_answer_in_the_callers_order(monkeyp
     moved = [p._replace(block=p.block + 24) for p in items]
     ok = transfer.load(store, moved)
     assert ok == [i not in (7, 30) for i in range(len(items))]
-    assert sum(map(len, copies)) <= 2 * len(transfer.batches(items)) + 4  # a miss breaks a run in two
-    torch.cuda.synchronize()
+    assert sum(map(len, copies)) <= 2 * batches + 4  # a miss breaks a run in two
+    _sync(device)
     after = HostTransfer(source.cpu())
     for i, (p, into) in enumerate(zip(items, moved)):
         if ok[i]:
@@ -448,23 +452,23 @@ def test_a_calls_largest_pages_move_first_and_outcomes_keep_the_callers_order():
     source = torch.randint(0, 256, (8 * STRIDE,), dtype=torch.uint8)
     transfer = _transfer(source, False)
     items = [Page(f"k{g.name}{b}".encode(), g, b, b) for b in range(4) for g in (small, large)]
-    columns, order = transfer._grouped(items)
-    grouped = transfer._permuted(items, order)
+    columns, order = batch_plan.grouped(items)
+    grouped = batch_plan.permuted(items, order)
     assert [p.group.name for p in grouped] == ["big"] * 4 + ["g"] * 4
     assert [p.block for p in grouped] == [0, 1, 2, 3] * 2  # each group's pages in the caller's order
     assert columns.groups == [large, small] and list(columns.keys) == [p.key for p in grouped]
     assert columns.which.tolist() == [0] * 4 + [1] * 4
     assert columns.sizes.tolist() == [large.used_bytes_per_block] * 4 + [small.used_bytes_per_block] * 4
     done = [p.group is small for p in grouped]  # per grouped page: back in the caller's order
-    assert transfer._ungrouped(done, order) == [p.group is small for p in items]
-    first_batch, _ = next(iter(transfer.pack(items)))
+    assert batch_plan.ungrouped(done, order) == [p.group is small for p in items]
+    first_batch, _ = next(iter(transfer._pack(items)))
     assert first_batch[0].group is large
     # a long call's segments, each grouped on its own: every segment's outcomes back in the caller's order
     segments = [(len(items), order), (2, np.array([1, 0])), (1, None)]
-    assert DeviceTransfer._in_call_order([*done, True, False, True], segments) == [
+    assert batch_plan.in_call_order([*done, True, False, True], segments) == [
         *(p.group is small for p in items), False, True, True]
-    columns, order = transfer._grouped(grouped)
-    assert order is None and transfer._permuted(grouped, order) is grouped and columns.groups == [large, small]
+    columns, order = batch_plan.grouped(grouped)
+    assert order is None and batch_plan.permuted(grouped, order) is grouped and columns.groups == [large, small]
     store = open_store("memory://?capacity=1048576")
     assert transfer.save(store, items) == [True] * len(items)
     host = HostTransfer(source)
@@ -474,22 +478,22 @@ def test_a_calls_largest_pages_move_first_and_outcomes_keep_the_callers_order():
 def _says_exactly_the_pages_stored(transfer, store, items, ok, source) -> None:
     """A save of 12 pages in 6 batches into a 6-slot store: True for exactly the pages it still holds (some,
     at most 6), each byte for byte the block it was saved from."""
-    assert len(transfer.batches(items)) == 6
+    assert len(batch_plan.batches(items, transfer.staging_bytes)) == 6
     assert ok == store.contains_many([p.key for p in items]) and 0 < ok.count(True) <= 6
     host = HostTransfer(source.cpu())
     kept = [p for p, there in zip(items, ok) if there]
     assert all(bytes(store.get(p.key)) == host.gather(p.group, p.block).tobytes() for p in kept)
 
 
-@pytest.mark.skipif(not GPU, reason="the in-place arena paths run on a GPU only")
-def test_a_save_whose_later_batches_evict_its_earlier_ones_says_which_pages_stayed(monkeypatch):
+@pytest.mark.parametrize("device,use_triton", PATHS)
+def test_a_save_whose_later_batches_evict_its_earlier_ones_says_which_pages_stayed(device, use_triton, monkeypatch):
     """An arena of 6 slots and a save of 12 pages in batches of 2: the later batches evict the earlier
     ones (published while the later ones are in flight); the save says True for exactly the pages the store
     still holds, byte for byte, and looks up again only the pages its own reservations evicted."""
     from kvoffload.store import MemoryStore
     paged, _ = _groups()
-    source = torch.randint(0, 256, (32 * STRIDE,), dtype=torch.uint8, device="cuda")
-    transfer = _transfer(source, TRITON, staging_bytes=3 * paged.used_bytes_per_block)
+    source = torch.randint(0, 256, (32 * STRIDE,), dtype=torch.uint8, device=device)
+    transfer = _transfer(source, use_triton, staging_bytes=3 * paged.used_bytes_per_block)
     store = MemoryStore(6 * 8192, chunk_bytes=8192)  # a 7000-byte page takes an 8192-byte slot: 6 slots
     items = [Page(f"k{b}".encode(), paged, b, b) for b in range(12)]
     evicted, asked = set(), []
@@ -510,15 +514,18 @@ def test_a_save_whose_later_batches_evict_its_earlier_ones_says_which_pages_stay
 
 @pytest.mark.parametrize("device,use_triton", PATHS)
 def test_a_save_through_host_staging_says_true_only_for_pages_still_stored(device, use_triton):
-    """Through pinned host staging (a store that is not an arena on the GPU, any store on the CPU) a save
-    of several batches into a store smaller than it: the later batches evict the earlier ones' pages, and
-    the save says True for exactly the pages the store still holds, byte for byte."""
+    """Through pinned host staging (a store that hands out no slots of its own: here an arena that says so)
+    a save of several batches into a store smaller than it: the later batches evict the earlier ones'
+    pages, and the save says True for exactly the pages the store still holds, byte for byte."""
     from kvoffload.store import MemoryStore
+
+    class ThroughStaging(MemoryStore):
+        in_place = False
 
     paged, _ = _groups()
     source = torch.randint(0, 256, (32 * STRIDE,), dtype=torch.uint8)
     transfer = _transfer(source.to(device), use_triton, staging_bytes=3 * paged.used_bytes_per_block)
-    store = MemoryStore(6 * 8192, pinned=False, chunk_bytes=8192)  # 6 slots of 8 KiB (a page: 7000 bytes)
+    store = ThroughStaging(6 * 8192, pinned=False, chunk_bytes=8192)  # 6 slots of 8 KiB (a page: 7000 bytes)
     items = [Page(f"k{b}".encode(), paged, b, b) for b in range(12)]
     _says_exactly_the_pages_stored(transfer, store, items, transfer.save(store, items), source)
 
@@ -543,21 +550,20 @@ def test_pages_a_tier_cannot_vouch_for_are_looked_up_again(monkeypatch):
     assert kept([[keys[0]]]) == written  # evicted, written again
 
 
-@pytest.mark.skipif(not GPU, reason="the in-place arena paths run on a GPU only")
-def test_a_long_call_is_grouped_and_placed_a_segment_at_a_time(monkeypatch):
+@pytest.mark.parametrize("device,use_triton", PATHS)
+def test_a_long_call_is_grouped_and_placed_a_segment_at_a_time(device, use_triton, monkeypatch):
     """A call of more than two batches' worth of pages makes its first batch's worth of columns first:
     both segments are grouped on their own, every page is stored and restored byte for byte, and the
     outcomes come back in the caller's order (misses in either segment, where grouping moved them)."""
-    from kvoffload.connectors import device_transfer as dt
     from kvoffload.store import MemoryStore
 
     paged, state = _groups()
-    monkeypatch.setattr(dt, "BATCH_PAGES", 3)
-    source = torch.randint(0, 256, (24 * STRIDE,), dtype=torch.uint8, device="cuda")
-    transfer = _transfer(source, TRITON)
+    monkeypatch.setattr(batch_plan, "BATCH_PAGES", 3)
+    source = torch.randint(0, 256, (24 * STRIDE,), dtype=torch.uint8, device=device)
+    transfer = _transfer(source, use_triton)
     grouped = []
-    real_grouped = transfer._grouped
-    monkeypatch.setattr(transfer, "_grouped", lambda items: grouped.append(len(items)) or real_grouped(items))
+    real_grouped = batch_plan.grouped
+    monkeypatch.setattr(batch_plan, "grouped", lambda items: grouped.append(len(items)) or real_grouped(items))
     store = MemoryStore(8 << 20, chunk_bytes=2 << 20)
     items = [Page(f"k{g.name}{b}".encode(), g, b, b) for b in range(10) for g in (paged, state)]
     assert transfer.save(store, items) == [True] * len(items)
@@ -573,26 +579,27 @@ def test_a_long_call_is_grouped_and_placed_a_segment_at_a_time(monkeypatch):
     ok = transfer.load(store, moved)
     assert ok == [i not in missing for i in range(len(items))]
     assert grouped == [3, 17, 3, 17] and store.stats()["held"] == 0
-    torch.cuda.synchronize()
+    _sync(device)
     after = HostTransfer(source.cpu())
     for i, (p, into) in enumerate(zip(items, moved)):
         expected = before.gather(p.group, p.block) if ok[i] else np.zeros_like(before.gather(p.group, p.block))
         assert np.array_equal(after.gather(into.group, into.block), expected)
 
 
-@pytest.mark.skipif(not GPU, reason="the in-place arena paths run on a GPU only")
+@pytest.mark.parametrize("device,use_triton", PATHS)
 @pytest.mark.parametrize("lead_pages", [1, 3])
-def test_a_calls_first_batch_in_two_parts_moves_every_page_and_returns_both(monkeypatch, lead_pages):
+def test_a_calls_first_batch_in_two_parts_moves_every_page_and_returns_both(
+    device, use_triton, monkeypatch, lead_pages
+):
     """The first batch's first LEAD_BYTES cross the link while the rest is reserved (a save) or held (a
     load) as a second part: every page is stored and restored byte for byte, misses in either lease are
     not scattered, and both leases go back."""
-    from kvoffload.connectors import device_transfer as dt
     from kvoffload.store import MemoryStore
 
     paged, state = _groups()
-    monkeypatch.setattr(dt, "LEAD_BYTES", lead_pages * paged.used_bytes_per_block)
-    source = torch.randint(0, 256, (48 * STRIDE,), dtype=torch.uint8, device="cuda")
-    transfer = _transfer(source, TRITON)
+    monkeypatch.setattr(batch_plan, "LEAD_BYTES", lead_pages * paged.used_bytes_per_block)
+    source = torch.randint(0, 256, (48 * STRIDE,), dtype=torch.uint8, device=device)
+    transfer = _transfer(source, use_triton)
     store = MemoryStore(8 << 20, chunk_bytes=2 << 20)
     items = [Page(f"k{b}".encode(), paged, b, b) for b in range(20)]
     reservations = []
@@ -614,7 +621,7 @@ def test_a_calls_first_batch_in_two_parts_moves_every_page_and_returns_both(monk
     assert ok == [i not in (0, 12) for i in range(len(items))]
     assert leases[:2] == [lead_pages, len(items) - lead_pages]  # one batch (20 small pages), two leases
     assert store.stats()["held"] == 0  # both given back
-    torch.cuda.synchronize()
+    _sync(device)
     after = HostTransfer(source.cpu())
     for i, (p, into) in enumerate(zip(items, moved)):
         expected = before.gather(p.group, p.block) if ok[i] else np.zeros_like(before.gather(p.group, p.block))

@@ -17,6 +17,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
+from ...connectors import batch_plan
 from ...connectors.device_transfer import DeviceTransfer
 from ...connectors.plan import Page
 from ...connectors.transfer import page_spans
@@ -123,12 +124,12 @@ def _workload(cache, save_items, load_items, device, repeats) -> dict:
         raw_load()
 
     def staged_save():
-        for _ in saver.pack(save_items):
+        for _ in saver._pack(save_items):
             pass
 
     def load_batches():
-        for i, batch in enumerate(loader.batches(load_items)):
-            loader.unpack(batch, lambda host, offsets: [True] * len(offsets), index=i % 2)
+        for i, batch in enumerate(batch_plan.batches(load_items, loader.staging_bytes)):
+            loader._unpack_batch(batch, lambda host, offsets: [True] * len(offsets), index=i % 2)
             yield
 
     def staged_load():
@@ -139,7 +140,7 @@ def _workload(cache, save_items, load_items, device, repeats) -> dict:
     def staged_both():
         """One thread drives both directions, as an engine's worker does: each load batch is queued
         between two save batches, so both links stay busy."""
-        live, done = [saver.pack(save_items), load_batches()], object()
+        live, done = [saver._pack(save_items), load_batches()], object()
         while live:
             live = [batches for batches in live if next(batches, done) is not done]
         _sync(device)

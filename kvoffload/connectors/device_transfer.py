@@ -21,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from itertools import chain
 from operator import itemgetter
 from typing import Any
 
@@ -388,7 +389,7 @@ class DeviceTransfer:
     @staticmethod
     def _publish(store: Store, reservations: list[Reservation], event) -> list[bool]:
         event.synchronize()  # published only once the bytes are in the slots
-        return [ok for reservation in reservations for ok in store.publish(reservation, reservation.filled_all())]
+        return list(chain.from_iterable(store.publish(r, r.filled_all()) for r in reservations))
 
     def load(self, store: Store, pages: Sequence[Page], after=None) -> list[bool]:
         """Restore the pages batch by batch; a page missing, failing its checksum or of another size is a

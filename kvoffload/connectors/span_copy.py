@@ -170,6 +170,16 @@ class PageCopier:
                     cache, stage, rows, t.tiles, len(t.tiles), int(gather), WORD=w, BLOCK=BLOCK_WORDS, num_warps=8
                 )
         else:
+            self._move_spans(t, blocks, at, staging, gather)
+
+    def _move_spans(self, t: Template, blocks: np.ndarray, at: np.ndarray, staging: torch.Tensor, gather: bool):
+        """`move` without Triton: each span of the template moves for every page at once, between a view of
+        the cache (a row per block, indexed by `blocks`) and one of staging (a row per page, the pages
+        evenly spaced): a few tensor calls per span of a page, none per page. Pages unevenly spaced (a
+        load's misses left out) or spans that overlap from block to block move a span of a page a copy."""
+        step = int(at[1] - at[0]) if len(at) > 1 else int(t.rel[-1] + t.length[-1])
+        even = len(at) == 1 or bool((np.diff(at) == step).all())
+        if not even or ((t.stride > 0) & (t.stride < t.length)).any() or (gather is False and (t.stride == 0).any()):
             offsets = (t.base + blocks[:, None] * t.stride).ravel().tolist()
             lengths = np.tile(t.length, len(blocks)).tolist()
             into = (at[:, None] + t.rel).ravel().tolist()
@@ -177,6 +187,17 @@ class PageCopier:
             staged = [staging[a : a + n] for a, n in zip(into, lengths)]
             targets, sources = (staged, parts) if gather else (parts, staged)
             torch._foreach_copy_(targets, sources)
+            return
+        index = torch.from_numpy(np.ascontiguousarray(blocks)).to(self.buffer.device)
+        rows, pages = int(blocks.max()) + 1, len(blocks)
+        cache_at, stage_at = self.buffer.storage_offset(), staging.storage_offset() + int(at[0])
+        for base, stride, length, rel in zip(t.base.tolist(), t.stride.tolist(), t.length.tolist(), t.rel.tolist()):
+            cache = self.buffer.as_strided((rows, length), (stride, 1), cache_at + base)
+            staged = staging.as_strided((pages, length), (step, 1), stage_at + rel)
+            if gather:
+                staged.copy_(cache.index_select(0, index))
+            else:
+                cache.index_copy_(0, index, staged)
 
 
 class PageTable:

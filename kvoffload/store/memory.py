@@ -204,10 +204,15 @@ class MemoryStore(Store):
         the caller knows no slot is named twice)."""
         slots, holds = list(slots), self._holds
         if distinct or len(set(slots)) == len(slots):
-            counts = list(map(holds.pop, slots, itertools.repeat(0, len(slots))))
-            if counts.count(1) == len(slots) and (not self._orphans or self._orphans.isdisjoint(slots)):
-                return
-            holds.update((slot, n) for slot, n in zip(slots, counts) if n)  # back: the general path below
+            counts = np.fromiter(map(holds.pop, slots, itertools.repeat(0, len(slots))), np.int64, len(slots))
+            still = counts > 1  # held by others too: one hold less (in C: a batch lets go of hundreds)
+            if still.any():
+                holds.update(zip(itertools.compress(slots, still), (counts[still] - 1).tolist()))
+            if self._orphans:  # let go by their last holder: freed (a slot the store closed under is not)
+                for slot in self._orphans.intersection(itertools.compress(slots, counts == 1)):
+                    self._orphans.remove(slot)
+                    self._arena.free(slot)
+            return
         for slot in slots:
             if slot not in holds:  # the store was closed meanwhile
                 continue
@@ -391,6 +396,9 @@ class MemoryStore(Store):
             # unheld, once each (`once.keys()`, a view: isdisjoint walks the smaller side, mostly the holds)
             if self._bulk and distinct and holds.keys().isdisjoint(once.keys()):
                 holds.update(once)
+            elif self._bulk and distinct:  # some held already (a write-behind's leases): one hold more each, in C
+                counts = np.fromiter(map(holds.get, held, itertools.repeat(0, len(held))), np.int64, len(held))
+                holds.update(zip(held, (counts + 1).tolist()))
             else:
                 for slot in held:
                     holds[slot] = holds.get(slot, 0) + 1
@@ -429,7 +437,7 @@ class MemoryStore(Store):
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
-            return [k in self._index for k in keys]
+            return list(map(self._index.__contains__, keys))
 
     def delete(self, key: bytes) -> bool:
         with self._lock:

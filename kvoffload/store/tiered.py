@@ -36,11 +36,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple
+from itertools import compress
+from typing import NamedTuple, cast
 
 import numpy as np
 
-from .base import HeldBatch, Lease, Reservation, Store, check_keys
+from .base import HeldBatch, ItemColumns, Lease, Reservation, Store, check_keys
 from .buffers import Buffer
 from .tiered_admission import Admission, write_options
 from .tiered_behind import DEFAULT_BEHIND_AGE, WriteBehind, default_behind_bytes
@@ -147,12 +148,14 @@ class TieredStore(Store):
     def reserve(self, items: Sequence[tuple[bytes, int]]) -> Reservation:
         """Front slots (write-behind), or private buffers that `publish` puts (write-through, or a
         value too large for the front)."""
-        items = list(items)
-        if self.write == "through" or any(not self._fits_front(n) or n > self.max_entry_bytes for _, n in items):
-            return super().reserve(items)
-        check_keys([key for key, _ in items], self.max_key_bytes, self.url)  # against the back's limits
-        front = self.front.reserve(items)
-        return Reservation(items, front.destinations, front, front.addresses, front.room)
+        if not isinstance(items, ItemColumns):
+            items = ItemColumns(*(list(column) for column in zip(*items))) if items else ItemColumns([], [])
+        largest = max(items.sizes, default=0)
+        if self.write == "through" or largest > min(self.front.max_entry_bytes, self.max_entry_bytes):
+            return super().reserve(list(zip(items.keys, items.sizes)))
+        check_keys(items.keys, self.max_key_bytes, self.url)  # against the back's limits
+        front = self.front.reserve(items)  # what it evicted is the front's: a copy behind may remain
+        return Reservation(items, front.destinations, front, front.addresses, front.room, front.evicted)
 
     def publish(self, reservation: Reservation, filled: Sequence[bool]) -> list[bool]:
         handle = reservation.handle
@@ -161,14 +164,16 @@ class TieredStore(Store):
         if not isinstance(handle, Reservation):
             raise TypeError(f"tiered store {self.url}: not one of its reservations")
         stored = self.front.publish(handle, filled)
-        self._admit([key for (key, _), ok in zip(reservation.items, stored) if ok], put=True)
-        self._count_puts(stored, [n for _, n in reservation.items])
+        items = cast(ItemColumns, reservation.items)  # `reserve` made them columns
+        keys, sizes = items.keys, items.sizes
+        self._admit(list(compress(keys, stored)), put=True)
+        self._count_puts(stored, sizes)
         return stored
 
-    def _count_puts(self, stored: list[bool], sizes: list[int]) -> None:
+    def _count_puts(self, stored: list[bool], sizes: Sequence[int]) -> None:
         self._count(
             puts=sum(stored),
-            put_bytes=sum(n for n, ok in zip(sizes, stored) if ok),
+            put_bytes=sum(compress(sizes, stored)),
             dropped_puts=len(stored) - sum(stored),
         )
 

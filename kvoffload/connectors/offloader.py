@@ -13,6 +13,8 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import compress
+from operator import attrgetter, not_
 from typing import Protocol
 
 import numpy as np
@@ -24,6 +26,9 @@ from .plan import BlockTable, Page, hit_blocks, pages_for_load, pages_for_save
 from .transfer import Transfer, placed_block
 
 log = logging.getLogger(__name__)
+
+_key = attrgetter("key")  # a page's store key, and its bytes: read in C over a batch's pages
+_page_bytes = attrgetter("group.used_bytes_per_block")
 
 
 @dataclass(frozen=True)
@@ -151,11 +156,11 @@ class Offloader:
             ok = [False] * len(pages)
         if not all(ok):
             self._count(load_failures=1, pages_missing=ok.count(False))
-            return LoadResult(tuple(p for p, good in zip(pages, ok) if not good))
+            return LoadResult(tuple(compress(pages, map(not_, ok))))
         self._count(
             load_microseconds=int(elapsed * 1e6),
             loaded_pages=len(pages),
-            loaded_bytes=sum(p.group.used_bytes_per_block for p in pages),
+            loaded_bytes=sum(map(_page_bytes, pages)),
         )
         return LoadResult()
 
@@ -173,8 +178,8 @@ class Offloader:
             self._count(save_skipped_too_large=len(pages))
             return []
         try:
-            present = self.store.contains_many([p.key for p in pages])
-            todo = [p for p, there in zip(pages, present) if not there]
+            present = self.store.contains_many(list(map(_key, pages)))  # in C, as below: no step per page
+            todo = list(compress(pages, map(not_, present))) if any(present) else pages
             if self.observer:  # the page as the save reads it: after the fence, not before the forward wrote it
                 for page in todo:
                     self.observer.saved(page, self.transfer.gather(page.group, placed_block(page), after=after))
@@ -187,8 +192,8 @@ class Offloader:
         self._count(
             save_microseconds=int((time.perf_counter() - started) * 1e6),
             saved_pages=sum(written),
-            saved_bytes=sum(p.group.used_bytes_per_block for p, w in zip(todo, written) if w),
+            saved_bytes=sum(compress(map(_page_bytes, todo), written)),
             save_skipped_present=len(pages) - len(todo),
             save_dropped=len(written) - sum(written),
         )
-        return [p for p, w in zip(todo, written) if w]
+        return list(compress(todo, written))

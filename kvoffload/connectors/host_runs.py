@@ -9,6 +9,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+# The most bytes one copy moves (None: a whole run in one). A copy engine serves the copies queued on it
+# in order: an engine's own small copies (the sampled tokens to the host, each step's inputs to the
+# device) wait behind the run queued before them. Cut into pieces, they wait for one piece at most.
+COPY_BYTES: int | None = None
+
 
 def runs(
     addresses: Sequence[int] | np.ndarray,
@@ -33,10 +38,23 @@ def runs(
     step = at[1:] - at[:-1]
     joined = (step == o[1:] - o[:-1]) & (step >= n[:-1]) & (step <= fits[:-1])
     if joined.all():  # one run: a batch in freshly freed slots, mostly
-        return [(int(at[0]), int(o[0]), int(o[-1] + n[-1] - o[0]))]
-    starts = np.flatnonzero(np.concatenate(([True], ~joined)))
-    ends = np.append(starts[1:], len(at)) - 1  # each run's last page
-    return list(zip(at[starts].tolist(), o[starts].tolist(), (o[ends] + n[ends] - o[starts]).tolist()))
+        first, offset, length = at[:1], o[:1], o[-1:] + n[-1:] - o[:1]
+    else:
+        first = np.flatnonzero(np.concatenate(([True], ~joined)))
+        last = np.append(first[1:], len(at)) - 1  # each run's last page
+        first, offset, length = at[first], o[first], o[last] + n[last] - o[first]
+    if COPY_BYTES and (length > COPY_BYTES).any():
+        first, offset, length = _pieces(first, offset, length, COPY_BYTES)
+    return list(zip(first.tolist(), offset.tolist(), length.tolist()))
+
+
+def _pieces(at: np.ndarray, offset: np.ndarray, length: np.ndarray, limit: int):
+    """Runs cut into copies of at most `limit` bytes (each run's last piece shorter), vectorised."""
+    count = -(-length // limit)
+    run = np.repeat(np.arange(len(length)), count)
+    k = np.arange(len(run)) - np.repeat(np.cumsum(count) - count, count)  # piece k of its run
+    start = k * limit
+    return at[run] + start, offset[run] + start, np.minimum(length[run] - start, limit)
 
 
 class _HostMemory:

@@ -1,7 +1,9 @@
-"""KVOffloadConnector in the real vLLM GPU engine (vLLM 0.33 CUDA wheel): a llama-shaped model, a hybrid
+"""KVOffloadConnector in the real vLLM GPU engine (vLLM 0.33 and 0.34 CUDA wheels): a llama-shaped model, a hybrid
 qwen3next model and GLM-5.3-Flash (`glm5next`, a random 4-layer checkpoint with the full model's MLA,
 indexer and KDA widths). Skipped without CUDA and vLLM: it runs on a GPU machine, never in CI
-(`pytest -m vllm_gpu tests/vllm/test_vllm_gpu.py`, one xdist group per model: `-n 3 --dist loadgroup`).
+(`pytest -m vllm_gpu tests/vllm/test_vllm_gpu.py`, about 12 minutes; one xdist group per model). Side by side
+(`-n 3 --dist loadgroup`) an engine's start may fail in vLLM's memory profiling, which asserts when another process
+frees GPU memory meanwhile: run the llama-shaped set (vLLM's own memory sizing) alone (`-k llama`).
 
 Each model's engines run once, in a module fixture, and the tests read what they recorded:
 - memory://: cold, the same prompt from vLLM's own prefix cache, then after a reset from the connector

@@ -193,11 +193,11 @@ class PageCopier:
         cache_at, stage_at = self.buffer.storage_offset(), staging.storage_offset() + int(at[0])
         for base, stride, length, rel in zip(t.base.tolist(), t.stride.tolist(), t.length.tolist(), t.rel.tolist()):
             cache = self.buffer.as_strided((rows, length), (stride, 1), cache_at + base)
-            staged = staging.as_strided((pages, length), (step, 1), stage_at + rel)
+            rows_staged = staging.as_strided((pages, length), (step, 1), stage_at + rel)
             if gather:
-                staged.copy_(cache.index_select(0, index))
+                rows_staged.copy_(cache.index_select(0, index))
             else:
-                cache.index_copy_(0, index, staged)
+                cache.index_copy_(0, index, rows_staged)
 
 
 class PageTable:

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import subprocess_env
@@ -91,6 +92,29 @@ def test_overhead_benchmark_json(tmp_path):
     own = result["connector_hooks_percent_of_step"]
     assert set(own) == ours and all(v > 0 for v in own.values())  # hooks were timed
     assert result["results"]["none"]["connector_ms_per_step"] == 0
+    assert result["workload"]["batches"] == [2] and isinstance(result["target_resolved"], bool)
+    for name, (low, high) in result["overhead_interval_percent"].items():  # the median lies in its interval
+        assert low <= result["overhead_percent"][name] <= high, name
+
+
+def test_overhead_interval_narrows_with_batches_and_says_when_the_target_is_resolved():
+    """The bootstrap interval of the median paired ratio: the same batches give the same interval, it holds
+    the median, and more batches of the same spread narrow it; a run is resolved once every kvoffload row's
+    interval is narrower than the target."""
+    from kvoffload.tools.bench import overhead
+
+    rng = np.random.default_rng(5)
+    few, many = (list(1.005 + 0.02 * rng.standard_normal(n)) for n in (8, 200))
+    low, high = overhead.interval(few)
+    assert overhead.interval(few) == [low, high] and low <= overhead._percent(float(np.median(few))) <= high
+    many_low, many_high = overhead.interval(many)
+    assert many_high - many_low < high - low and many_low < 0.5 < many_high
+
+    def rows(ratios):  # per-batch step times: none at 10 ms a step, each kvoffload row at ratio x that
+        row = lambda seconds: {"seconds": seconds, "steps": 10}  # noqa: E731
+        return {"none": [row(0.1)] * len(ratios), **{name: [row(0.1 * r) for r in ratios] for name in overhead.OURS}}
+
+    assert overhead._resolved(rows(many)) and not overhead._resolved(rows(few))
 
 
 def test_redis_benchmark_json(tmp_path):

@@ -107,11 +107,18 @@ def _bench(args: argparse.Namespace) -> int:
 
     module = importlib.import_module(f"kvoffload.tools.bench.{BENCHMARKS[args.name][0]}")
     options: dict = {}
-    for flag, value, default in (("device", args.device, "cpu"), ("eager", args.eager, False)):
+    for flag, value, default in (
+        ("device", args.device, "cpu"),
+        ("eager", args.eager, False),
+        ("model", args.model, "small"),
+    ):
         if value != default:
             if flag not in inspect.signature(module.run).parameters:
-                raise BenchOptionError(f"bench {args.name} has no --{flag} (those with one: {', '.join(ON_DEVICES)})")
+                having = ", ".join(n for n in ON_DEVICES if flag != "model" or n == "vllm-ttft")
+                raise BenchOptionError(f"bench {args.name} has no --{flag} (those with one: {having})")
             options[flag] = value
+    if args.model != "small" and args.device != "cuda":
+        raise BenchOptionError(f"--model {args.model} runs on a GPU only (--device cuda): 16 GB of weights")
     result = module.run(quick=args.quick, progress=None if args.json else _progress, **options)
     path = write_result(args.name, result, args.out)
     try:
@@ -233,6 +240,13 @@ def main(argv: list[str] | None = None) -> int:
         "--eager",
         action="store_true",
         help="run the GPU engines with enforce_eager (default: CUDA graphs, as vLLM serves)",
+    )
+    bench.add_argument(
+        "--model",
+        default="small",
+        choices=["small", "llama-3.1-8b"],
+        help="vllm-ttft on a GPU: the benchmark's small model (its KV weighs a real one's; default) or the whole "
+        "Llama-3.1-8B shape (16 GB of random weights written on the machine; engines one at a time)",
     )
     bench.set_defaults(func=_bench)
     inspect = sub.add_parser("inspect", help="print a store's statistics as JSON")

@@ -253,3 +253,15 @@ def test_a_failed_checkpoint_write_leaves_no_temporary_folder(tmp_path, monkeypa
     with pytest.raises(verify.InputError, match="tiny: writing its checkpoint to .* failed: No space left"):
         verify.default_model_dir("tiny")
     assert os.listdir(tmp_path / "kvoffload" / "models") == []
+
+
+# -- benchmark options -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (["bench", "overhead", "--model", "llama-3.1-8b"], "bench overhead has no --model (those with one: vllm-ttft)"),
+    (["bench", "vllm-ttft", "--model", "llama-3.1-8b"], "runs on a GPU only (--device cuda)"),
+    (["bench", "store", "--device", "cuda"], "bench store has no --device"),
+])
+def test_a_benchmark_option_it_does_not_take_is_one_line(args, message, tmp_path):
+    _one_line(_run(*args, "--out", str(tmp_path)), message)
+    assert not list(tmp_path.iterdir())  # refused before anything ran

@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import subprocess_env
 
@@ -295,3 +296,28 @@ def test_warmstart_reports_the_median_process_and_equal_pages_only_if_every_proc
     runs[0]["pages_equal"] = False
     assert _median_row(runs)["pages_equal"] is False
     assert "runs" not in _median_row(runs[:1])  # one process (the warm start off): its own row
+
+
+def test_a_whole_model_checkpoint_is_written_tensor_by_tensor_and_loads_as_written(tmp_path):
+    """`write_llama` (the Llama-3.1-8B shape's writer, here at small sizes): transformers loads every tensor
+    of the index, none missing or left over, in bf16; the same seed writes the same weights. Its engines
+    run one at a time (`sessions`); the others side by side."""
+    import dataclasses
+
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    from kvoffload.tools.bench.vllm_models import llama_sizes, write_llama
+    from kvoffload.tools.bench.vllm_profiles import CPU
+    from kvoffload.tools.bench.vllm_ttft import sessions
+
+    sizes = llama_sizes(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16, positions=512)
+    profile = dataclasses.replace(CPU, model=sizes, vocab=300, sequential=True)
+    first = profile.write_model(str(tmp_path / "a"))
+    model, info = LlamaForCausalLM.from_pretrained(first, output_loading_info=True)
+    assert not any(info.values()) and model.dtype == torch.bfloat16 and model.config.vocab_size == 300
+    again = write_llama(str(tmp_path / "b"), sizes, vocab=300)
+    assert all(torch.equal(t, load_file(f"{again}/model-layer001.safetensors")[k])
+               for k, t in load_file(f"{first}/model-layer001.safetensors").items())
+    assert sessions(["none", "a", "b"], profile) == [["none"], ["a"], ["b"]]
+    assert sessions(["none", "a", "b"], CPU) == [["none", "a", "b"]]

@@ -4,6 +4,7 @@ own hybrid model is in tests/support/vllm_harness.py."""
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -58,3 +59,53 @@ def tiny_llama(dir: str, *, seed: int = 0, **overrides: Any) -> str:
     )
     cfg.update(overrides)
     return save_model(LlamaForCausalLM, LlamaConfig(**cfg), dir, torch.float32, seed)
+
+
+def write_llama(dir: str, sizes: dict, *, vocab: int, seed: int = 0, device: str = "cpu") -> str:
+    """A bf16 ``LlamaForCausalLM`` checkpoint of `sizes` (`llama_sizes`) with seeded random weights, written
+    tensor by tensor (one safetensors file per layer, and their index): an 8B-parameter model needs neither
+    a float32 copy nor minutes of initialisation, and `device` (a GPU) draws the numbers. Returns ``dir``."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    hidden, layers = sizes["hidden_size"], sizes["num_hidden_layers"]
+    q, kv = sizes["num_attention_heads"] * sizes["head_dim"], sizes["num_key_value_heads"] * sizes["head_dim"]
+    ffn = sizes["intermediate_size"]
+    generator = torch.Generator(device=device).manual_seed(seed)
+
+    def normal(*shape: int) -> torch.Tensor:
+        out = torch.empty(shape, dtype=torch.bfloat16, device=device)
+        return out.normal_(0.0, 0.02, generator=generator).cpu()
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch.bfloat16)
+
+    os.makedirs(dir, exist_ok=True)
+    LlamaConfig(vocab_size=vocab, tie_word_embeddings=False, **sizes).save_pretrained(dir)
+    weight_map: dict[str, str] = {}
+
+    def write(tensors: dict, name: str) -> None:
+        save_file(tensors, f"{dir}/{name}")
+        weight_map.update(dict.fromkeys(tensors, name))
+
+    outer = {"model.embed_tokens.weight": normal(vocab, hidden), "model.norm.weight": ones(hidden)}
+    write({**outer, "lm_head.weight": normal(vocab, hidden)}, "model-outer.safetensors")
+    shapes = {
+        "self_attn.q_proj": (q, hidden),
+        "self_attn.k_proj": (kv, hidden),
+        "self_attn.v_proj": (kv, hidden),
+        "self_attn.o_proj": (hidden, q),
+        "mlp.gate_proj": (ffn, hidden),
+        "mlp.up_proj": (ffn, hidden),
+        "mlp.down_proj": (hidden, ffn),
+    }
+    for i in range(layers):
+        at = f"model.layers.{i}."
+        tensors = {f"{at}{name}.weight": normal(*shape) for name, shape in shapes.items()}
+        tensors[f"{at}input_layernorm.weight"] = ones(hidden)
+        tensors[f"{at}post_attention_layernorm.weight"] = ones(hidden)
+        write(tensors, f"model-layer{i:03d}.safetensors")
+    with open(f"{dir}/model.safetensors.index.json", "w") as index:  # which file holds each tensor
+        json.dump({"metadata": {}, "weight_map": weight_map}, index)
+    return dir

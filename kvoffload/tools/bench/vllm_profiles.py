@@ -1,18 +1,23 @@
 """Where the vLLM engine benchmarks run (`vllm-ttft`, `overhead`, `stall`): the CPU build with a small
 float32 model, or a CUDA GPU with a llama-shaped model whose KV weighs what a real one does (32 layers
 x 8 KV heads x 128, bf16: 128 KiB per token, as Llama-3-8B; random weights, a small hidden size so
-the checkpoint is written in seconds). One profile per device: model, dtype, block, engine settings,
-the connector configurations compared, and the label the results carry."""
+the checkpoint is written in seconds). `vllm-ttft` also takes the whole Llama-3.1-8B shape on a GPU
+(`--model llama-3.1-8b`: its compute too, so the table says when a restore beats recomputing; 16 GB of
+random bf16 weights written on the machine, one engine at a time). One profile per device and model:
+model, dtype, block, engine settings, the connector configurations compared, and the label the results
+carry."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from importlib import metadata
 
-from .vllm_models import kv_bytes_per_token, llama_sizes
+from .vllm_models import kv_bytes_per_token, llama_sizes, tiny_llama, write_llama
 
 CPU_MODEL = llama_sizes(hidden=256, intermediate=1024, layers=4, heads=8, kv_heads=4, head_dim=32, positions=4096)
 GPU_MODEL = llama_sizes(hidden=1024, intermediate=2048, layers=32, heads=8, kv_heads=8, head_dim=128, positions=70_000)
+LLAMA_8B = llama_sizes(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, head_dim=128, positions=70_000)
+MODELS = ("small", "llama-3.1-8b")  # `--model`: the profile's own small model, or the Llama-3.1-8B shape (GPU)
 
 
 @dataclass(frozen=True)
@@ -23,6 +28,14 @@ class Profile:
     block: int
     engine: str  # what the results say ran
     engine_kwargs: dict = field(default_factory=dict)  # to `vllm.LLM`, on top of the driver's defaults
+    vocab: int | None = None  # a vocabulary of its own (the whole-model shape); None: `tiny_llama`'s
+    sequential: bool = False  # one engine at a time (several do not fit the GPU side by side)
+
+    def write_model(self, dir: str) -> str:
+        """The profile's random-weight checkpoint, written to `dir`."""
+        if self.vocab is None:
+            return tiny_llama(dir, **self.model)
+        return write_llama(dir, self.model, vocab=self.vocab, device=self.device)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -102,11 +115,15 @@ GPU = Profile(
 )
 
 
-def profile(device: str, eager: bool = False) -> Profile:
-    """The profile for `device`, its label naming the installed vLLM. On a GPU the engines run as users run
-    them, with CUDA graphs (vLLM's default), unless `eager`; the CPU build always runs eager."""
+def profile(device: str, eager: bool = False, model: str = "small") -> Profile:
+    """The profile for `device` and `model`, its label naming the installed vLLM. On a GPU the engines run as
+    users run them, with CUDA graphs (vLLM's default), unless `eager`; the CPU build always runs eager."""
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {', '.join(MODELS)}, not {model!r}")
+    if model != "small" and device != "cuda":
+        raise ValueError(f"--model {model} runs on a GPU only (--device cuda): 16 GB of weights")
     where = CPU
     if device == "cuda":
         import torch
@@ -117,4 +134,8 @@ def profile(device: str, eager: bool = False) -> Profile:
         where = replace(
             GPU, engine=f"{GPU.engine}, {mode}", engine_kwargs={**GPU.engine_kwargs, "enforce_eager": eager}
         )
+        if model == "llama-3.1-8b":  # alone on the GPU: vLLM may take what the weights leave
+            kwargs = {**where.engine_kwargs, "gpu_memory_utilization": 0.9}
+            label = f"{where.engine}, Llama-3.1-8B shape"
+            where = replace(where, model=LLAMA_8B, vocab=128_256, sequential=True, engine=label, engine_kwargs=kwargs)
     return replace(where, engine=f"vLLM {vllm_version()}: {where.engine}")

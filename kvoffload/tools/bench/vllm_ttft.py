@@ -2,7 +2,8 @@
 KVOffloadConnector on the memory, LMDB and tiered stores, and the peers (vLLM's ExampleConnector on the
 CPU; its OffloadingConnector and SimpleCPUOffloadConnector on a GPU, with CUDA graphs unless `eager`),
 same model, same prompts, same run. One engine per
-configuration, all up at once; every prompt is run alone with one output token on each engine in turn
+configuration, all up at once (one at a time for the Llama-3.1-8B shape, `--model llama-3.1-8b`, whose
+engines do not fit the GPU side by side); every prompt is run alone with one output token on each engine in turn
 (cold); then once more on the no-connector engine, served by its own prefix cache (`local`: the engine's
 step time for the uncached suffix); then every engine's prefix cache is reset and the prompts run again
 (warm: a prefix can now only come from the connector), `repeats` times. On a GPU the LMDB engine is then
@@ -13,6 +14,7 @@ memory target is 1.5 x (that copy + the local step). The first token of every ph
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import tempfile
 from typing import Any
@@ -21,7 +23,6 @@ import torch
 
 from ..harness.vllm_engine import Engine, EngineRunError
 from .common import drop_page_cache, machine
-from .vllm_models import tiny_llama
 from .vllm_profiles import CPU, PEERS_ON_GPU, Profile, profile
 
 BLOCK, MODEL = CPU.block, CPU.model  # the CPU profile's (other benchmarks and tests import them)
@@ -48,7 +49,9 @@ def engines(
     """The named configurations' engines, started side by side and all up, closed on exit. `kv_bytes`: the
     GPU KV cache of each (vLLM's memory profiling would see the other engines' memory). An `optional`
     engine that fails to start (a peer connector this vLLM build cannot run) is left out, said once."""
-    model = tiny_llama(f"{tmp}/model", **where.model)
+    model = f"{tmp}/model"
+    if not os.path.isdir(model):  # written once per run (engines of a session after another reuse it)
+        where.write_model(model)
     configs = where.connector_configs(tmp, capacity)
     kwargs = dict(where.engine_kwargs, **({"kv_cache_memory_bytes": kv_bytes} if kv_bytes else {}))
     with contextlib.ExitStack() as stack:
@@ -95,10 +98,20 @@ def _raw_link_ms(nbytes: int, repeats: int = 5) -> float:
     return statistics.median(times[1:])
 
 
+def sessions(names: list[str], where: Profile) -> list[list[str]]:
+    """The engines up together: all of them, or one at a time where they do not fit side by side."""
+    return [[name] for name in names] if where.sequential else [list(names)]
+
+
 def run(
-    quick: bool = False, prompts_per_length: int | None = None, progress=None, device: str = "cpu", eager: bool = False
+    quick: bool = False,
+    prompts_per_length: int | None = None,
+    progress=None,
+    device: str = "cpu",
+    eager: bool = False,
+    model: str = "small",
 ) -> dict:
-    where = profile(device, eager)
+    where = profile(device, eager, model)
     gpu = where.device == "cuda"
     lengths = LENGTHS[where.device][1 if quick else 0]
     per_length = prompts_per_length or (1 if quick or gpu else 3)
@@ -118,48 +131,50 @@ def run(
     capacity = f"{max(2, -(-stored * 5 // 4) >> 30)}GiB"  # every prefix fits, with room
     # the longest prompt and an eighth more: six engines share one GPU's memory
     kv_bytes = max(4 << 30, (max(lengths) + 2 * block) * where.kv_bytes_per_token * 9 // 8) if gpu else None
+    startup: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="kvoffload-vllm-ttft-") as tmp:
-        with engines(
-            names,
-            tmp,
-            max(lengths) + block,
-            lambda m: say(f"[bench vllm-ttft] {m}"),
-            where=where,
-            capacity=capacity,
-            kv_bytes=kv_bytes,
-            optional=peers if gpu else (),
-        ) as running:
-            names = [name for name in names if name in running]
-            for prompt in prompts:
-                for name, engine in running.items():
-                    measured[name]["cold"] += engine.call("ttft", prompts=[prompt])["rows"]
-                measured["none"]["local"] += running["none"].call("ttft", prompts=[prompt])["rows"]
-            for _ in range(repeats):
-                for engine in running.values():
-                    if not engine.call("reset")["ok"]:
-                        raise AssertionError("an engine's prefix cache could not be reset")
+        for session in sessions(names, where):
+            with engines(
+                session,
+                tmp,
+                max(lengths) + block,
+                lambda m: say(f"[bench vllm-ttft] {m}"),
+                where=where,
+                capacity=capacity,
+                kv_bytes=kv_bytes,
+                optional=peers if gpu else (),
+            ) as running:
                 for prompt in prompts:
                     for name, engine in running.items():
-                        measured[name]["warm"] += engine.call("ttft", prompts=[prompt])["rows"]
-            startup = {name: round(engine.startup_s, 1) for name, engine in running.items()}
-            if gpu:  # a fresh process warm from disk, the page cache dropped
-                running["kvoffload_lmdb"].close()
-                dropped = drop_page_cache()
-                configs = where.connector_configs(tmp, capacity)
-                with Engine(
-                    f"{tmp}/model",
-                    configs["kvoffload_lmdb"],
-                    block_size=block,
-                    dtype=where.dtype,
-                    max_model_len=max(lengths) + block,
-                    engine_kwargs=dict(where.engine_kwargs, kv_cache_memory_bytes=kv_bytes),
-                ) as restarted:
-                    measured["kvoffload_lmdb_restart"] = {
-                        "warm": restarted.call("ttft", prompts=prompts)["rows"],
-                        "cold": measured["kvoffload_lmdb"]["cold"],
-                    }
-                names.append("kvoffload_lmdb_restart")
-                startup["page_cache"] = dropped
+                        measured[name]["cold"] += engine.call("ttft", prompts=[prompt])["rows"]
+                    if "none" in running:
+                        measured["none"]["local"] += running["none"].call("ttft", prompts=[prompt])["rows"]
+                for _ in range(repeats):
+                    for engine in running.values():
+                        if not engine.call("reset")["ok"]:
+                            raise AssertionError("an engine's prefix cache could not be reset")
+                    for prompt in prompts:
+                        for name, engine in running.items():
+                            measured[name]["warm"] += engine.call("ttft", prompts=[prompt])["rows"]
+                startup.update({name: round(engine.startup_s, 1) for name, engine in running.items()})
+        names = [name for name in names if name in startup]  # a peer that did not start is left out
+        if gpu:  # a fresh process warm from disk, the page cache dropped
+            dropped = drop_page_cache()
+            configs = where.connector_configs(tmp, capacity)
+            with Engine(
+                f"{tmp}/model",
+                configs["kvoffload_lmdb"],
+                block_size=block,
+                dtype=where.dtype,
+                max_model_len=max(lengths) + block,
+                engine_kwargs=dict(where.engine_kwargs, kv_cache_memory_bytes=kv_bytes),
+            ) as restarted:
+                measured["kvoffload_lmdb_restart"] = {
+                    "warm": restarted.call("ttft", prompts=prompts)["rows"],
+                    "cold": measured["kvoffload_lmdb"]["cold"],
+                }
+            names.append("kvoffload_lmdb_restart")
+            startup["page_cache"] = dropped
     rows = []
     for n in lengths:
         row: dict[str, Any] = {"prefix_tokens": n, "prompt_tokens": n + block // 2}

@@ -174,12 +174,15 @@ class PageCopier:
 
     def _move_spans(self, t: Template, blocks: np.ndarray, at: np.ndarray, staging: torch.Tensor, gather: bool):
         """`move` without Triton: each span of the template moves for every page at once, between a view of
-        the cache (a row per block, indexed by `blocks`) and one of staging (a row per page, the pages
-        evenly spaced): a few tensor calls per span of a page, none per page. Pages unevenly spaced (a
-        load's misses left out) or spans that overlap from block to block move a span of a page a copy."""
-        step = int(at[1] - at[0]) if len(at) > 1 else int(t.rel[-1] + t.length[-1])
-        even = len(at) == 1 or bool((np.diff(at) == step).all())
-        if not even or ((t.stride > 0) & (t.stride < t.length)).any() or (gather is False and (t.stride == 0).any()):
+        the cache (a row per block, indexed by `blocks`) and one of staging (a row per page slot, the pages'
+        common spacing its stride, indexed by the pages' offsets): a few tensor calls per span of a page,
+        none per page. Where rows would overlap (spans that overlap from block to block, pages closer than
+        a page) each span of each page is its own copy."""
+        page = int(t.rel[-1] + t.length[-1])
+        first = int(at.min())
+        step = int(np.gcd.reduce(at - first)) or page  # one page, or pages at the same offset: any step
+        overlap = step < page or ((t.stride > 0) & (t.stride < t.length)).any()
+        if overlap or (not gather and (t.stride == 0).any()):  # a scatter into one span many times, too
             offsets = (t.base + blocks[:, None] * t.stride).ravel().tolist()
             lengths = np.tile(t.length, len(blocks)).tolist()
             into = (at[:, None] + t.rel).ravel().tolist()
@@ -188,16 +191,19 @@ class PageCopier:
             targets, sources = (staged, parts) if gather else (parts, staged)
             torch._foreach_copy_(targets, sources)
             return
-        index = torch.from_numpy(np.ascontiguousarray(blocks)).to(self.buffer.device)
-        rows, pages = int(blocks.max()) + 1, len(blocks)
-        cache_at, stage_at = self.buffer.storage_offset(), staging.storage_offset() + int(at[0])
+        device = self.buffer.device
+        index = torch.from_numpy(np.ascontiguousarray(blocks)).to(device)
+        slots = (at - first) // step
+        into = torch.from_numpy(np.ascontiguousarray(slots)).to(device)
+        rows, stage_rows = int(blocks.max()) + 1, int(slots.max()) + 1
+        cache_at, stage_at = self.buffer.storage_offset(), staging.storage_offset() + first
         for base, stride, length, rel in zip(t.base.tolist(), t.stride.tolist(), t.length.tolist(), t.rel.tolist()):
             cache = self.buffer.as_strided((rows, length), (stride, 1), cache_at + base)
-            rows_staged = staging.as_strided((pages, length), (step, 1), stage_at + rel)
+            staged_rows = staging.as_strided((stage_rows, length), (step, 1), stage_at + rel)
             if gather:
-                rows_staged.copy_(cache.index_select(0, index))
+                staged_rows.index_copy_(0, into, cache.index_select(0, index))
             else:
-                cache.index_copy_(0, index, rows_staged)
+                cache.index_copy_(0, index, staged_rows.index_select(0, into))
 
 
 class PageTable:

@@ -35,6 +35,14 @@ class ItemColumns(Sequence[tuple[bytes, int]]):
             raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes")
         self.keys, self.sizes = keys, sizes
 
+    @staticmethod
+    def of(items: Sequence[tuple[bytes, int]]) -> ItemColumns:
+        """`items` as columns: themselves if they are, else their two columns (one transpose, in C)."""
+        if isinstance(items, ItemColumns):
+            return items
+        keys, sizes = (list(column) for column in zip(*items)) if items else ([], [])
+        return ItemColumns(keys, sizes)
+
     def __len__(self) -> int:
         return len(self.keys)
 

@@ -344,10 +344,8 @@ class MemoryStore(Store):
     def reserve(self, items: Sequence[tuple[bytes, int]]) -> Reservation:
         """Held slots for the values (None: no room, or a later item of the batch replaces or evicts
         that one), invisible until `publish`; `write_many` is reserve, fill, publish."""
-        if isinstance(items, ItemColumns):  # a batch's columns as they are (`check_keys` copies none)
-            keys, sizes = items.keys, items.sizes
-        else:
-            keys, sizes = (list(column) for column in zip(*items)) if items else ([], [])
+        columns = ItemColumns.of(items)  # a batch's columns as they are (`check_keys` copies none)
+        keys, sizes = columns.keys, columns.sizes
         keys = check_keys(keys, self.max_key_bytes, self.url)
         distinct = set(sizes)  # a layout has few page sizes: checked once each
         if not {type(n) for n in distinct} <= {int}:

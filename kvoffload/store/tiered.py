@@ -148,8 +148,7 @@ class TieredStore(Store):
     def reserve(self, items: Sequence[tuple[bytes, int]]) -> Reservation:
         """Front slots (write-behind), or private buffers that `publish` puts (write-through, or a
         value too large for the front)."""
-        if not isinstance(items, ItemColumns):
-            items = ItemColumns(*(list(column) for column in zip(*items))) if items else ItemColumns([], [])
+        items = ItemColumns.of(items)
         largest = max(items.sizes, default=0)
         if self.write == "through" or largest > min(self.front.max_entry_bytes, self.max_entry_bytes):
             return super().reserve(list(zip(items.keys, items.sizes)))

@@ -301,7 +301,7 @@ def test_warmstart_reports_the_median_process_and_equal_pages_only_if_every_proc
 def test_a_whole_model_checkpoint_is_written_tensor_by_tensor_and_loads_as_written(tmp_path):
     """`write_llama` (the Llama-3.1-8B shape's writer, here at small sizes): transformers loads every tensor
     of the index, none missing or left over, in bf16; the same seed writes the same weights. Its engines
-    run one at a time (`sessions`); the others side by side."""
+    run one at a time (`engine_groups`); the others side by side."""
     import dataclasses
 
     from safetensors.torch import load_file
@@ -309,7 +309,7 @@ def test_a_whole_model_checkpoint_is_written_tensor_by_tensor_and_loads_as_writt
 
     from kvoffload.tools.bench.vllm_models import llama_sizes, write_llama
     from kvoffload.tools.bench.vllm_profiles import CPU
-    from kvoffload.tools.bench.vllm_ttft import sessions
+    from kvoffload.tools.bench.vllm_ttft import engine_groups
 
     sizes = llama_sizes(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16, positions=512)
     profile = dataclasses.replace(CPU, model=sizes, vocab=300, sequential=True)
@@ -319,5 +319,5 @@ def test_a_whole_model_checkpoint_is_written_tensor_by_tensor_and_loads_as_writt
     again = write_llama(str(tmp_path / "b"), sizes, vocab=300)
     assert all(torch.equal(t, load_file(f"{again}/model-layer001.safetensors")[k])
                for k, t in load_file(f"{first}/model-layer001.safetensors").items())
-    assert sessions(["none", "a", "b"], profile) == [["none"], ["a"], ["b"]]
-    assert sessions(["none", "a", "b"], CPU) == [["none", "a", "b"]]
+    assert engine_groups(["none", "a", "b"], profile) == [["none"], ["a"], ["b"]]
+    assert engine_groups(["none", "a", "b"], CPU) == [["none", "a", "b"]]

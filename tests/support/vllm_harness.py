@@ -147,11 +147,12 @@ def _engine_env(extra_env: dict | None) -> dict[str, str]:
     return {"PYTHONPATH": pythonpath, **(extra_env or {})}
 
 
-def _rounds_in_one_engine(spec: dict, extra_env: dict | None, timeout: float, reset: bool,
-                          in_process: bool) -> tuple[list, list, str, float]:
+def _rounds_in_one_engine(spec: dict, extra_env: dict | None, timeout: float, reset: bool) -> tuple[list, list, str, float]:
+    """One engine, its scheduler and worker in its one process (`Engine`'s `in_process`), as a single
+    GPU's engine core holds both: one vLLM import per engine, not three (~10 s to start on the CPU, not ~30)."""
     t0 = time.monotonic()
     engine = Engine(spec["model"], spec["kv_transfer_config"], block_size=spec["block_size"],
-                    max_model_len=spec["max_model_len"], dtype=spec["dtype"], timeout=timeout, in_process=in_process,
+                    max_model_len=spec["max_model_len"], dtype=spec["dtype"], timeout=timeout, in_process=True,
                     engine_kwargs={"disable_log_stats": False, **spec["engine_kwargs"]},
                     extra_env=_engine_env(extra_env), warmup=False)
     results, metrics = [], []
@@ -206,7 +207,6 @@ def run_generations(
     engine_kwargs: dict | None = None,
     reset_connector: bool | list[bool] = False,
     reset_between_rounds: bool = True,
-    in_process: bool = True,
 ) -> Rounds:
     """Run all ``rounds`` in ONE engine process (see the module docstring for the result).
 
@@ -219,13 +219,10 @@ def run_generations(
     ``enable_prefix_caching``, ``skip_tokenizer_init``, ``seed=0``, ``disable_log_stats=False``).
     ``block_size`` must be a multiple of 32 on CPU (hybrid models may get a larger attention block).
     ``timeout``: seconds for each engine's start-up and for each round.
-    ``in_process``: the engine's scheduler and worker in its one process (`Engine`), as a single GPU's
-    engine core holds both: one vLLM import per engine, not three (~10 s to start on the CPU, not ~30);
-    False: vLLM's own processes (front end, engine core, worker).
     """
     spec = _spec(model_dir, kv_transfer_config, rounds, dtype, block_size, max_tokens,
                  max_model_len, engine_kwargs, reset_connector)
-    results, metrics, log, wall = _rounds_in_one_engine(spec, extra_env, timeout, reset_between_rounds, in_process)
+    results, metrics, log, wall = _rounds_in_one_engine(spec, extra_env, timeout, reset_between_rounds)
     out = Rounds(results)
     out.metrics, out.log, out.wall_s = metrics, log, [wall]
     return out
@@ -243,7 +240,6 @@ def run_restart(
     timeout: float = 600,
     max_model_len: int | None = None,
     engine_kwargs: dict | None = None,
-    in_process: bool = True,
 ) -> Rounds:
     """Like :func:`run_generations`, but each round runs in a NEW engine process, so round i+1 starts with an empty local prefix cache and a fresh connector."""
     if max_model_len is None:  # one value for every process
@@ -254,7 +250,7 @@ def run_restart(
     for r in rounds:
         spec = _spec(model_dir, kv_transfer_config, [r], dtype, block_size, max_tokens,
                      max_model_len, engine_kwargs, False)
-        results, metrics, log, wall = _rounds_in_one_engine(spec, extra_env, timeout, False, in_process)
+        results, metrics, log, wall = _rounds_in_one_engine(spec, extra_env, timeout, False)
         out.extend(results)
         out.metrics.extend(metrics)
         out.log += log

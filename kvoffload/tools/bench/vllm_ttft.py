@@ -50,7 +50,7 @@ def engines(
     GPU KV cache of each (vLLM's memory profiling would see the other engines' memory). An `optional`
     engine that fails to start (a peer connector this vLLM build cannot run) is left out, said once."""
     model = f"{tmp}/model"
-    if not os.path.isdir(model):  # written once per run (engines of a session after another reuse it)
+    if not os.path.isdir(model):  # written once per run (each group of engines after the first reuses it)
         where.write_model(model)
     configs = where.connector_configs(tmp, capacity)
     kwargs = dict(where.engine_kwargs, **({"kv_cache_memory_bytes": kv_bytes} if kv_bytes else {}))
@@ -98,7 +98,7 @@ def _raw_link_ms(nbytes: int, repeats: int = 5) -> float:
     return statistics.median(times[1:])
 
 
-def sessions(names: list[str], where: Profile) -> list[list[str]]:
+def engine_groups(names: list[str], where: Profile) -> list[list[str]]:
     """The engines up together: all of them, or one at a time where they do not fit side by side."""
     return [[name] for name in names] if where.sequential else [list(names)]
 
@@ -133,9 +133,9 @@ def run(
     kv_bytes = max(4 << 30, (max(lengths) + 2 * block) * where.kv_bytes_per_token * 9 // 8) if gpu else None
     startup: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="kvoffload-vllm-ttft-") as tmp:
-        for session in sessions(names, where):
+        for group in engine_groups(names, where):
             with engines(
-                session,
+                group,
                 tmp,
                 max(lengths) + block,
                 lambda m: say(f"[bench vllm-ttft] {m}"),

@@ -181,6 +181,12 @@ def test_stall_benchmark_json(tmp_path):
             assert 0 < r["decode_only"]["steps"] < r["all_steps"]["steps"] == window, (name, scenario)
             assert 0 < r["decode_only"]["p50_ms"] <= r["decode_only"]["p99_ms"]
             assert r["quiet_p50_ms"] > 0 and r["long_prefill_steps"] >= 1
+            slowest = r["slowest_decode_only"]
+            assert len(slowest) == 6 and slowest[0]["s_ms"] >= r["decode_only"]["p99_ms"]
+            assert [s["s_ms"] for s in slowest] == sorted((s["s_ms"] for s in slowest), reverse=True)
+            for spent in [*slowest, r["quiet_p50_spent_ms"]]:  # the step's parts lie within it
+                assert 0 <= spent["gc_ms"] <= spent["s_ms"] and 0 <= spent["cpu_ms"] <= spent["s_ms"] * 1.05 + 0.05
+                assert (spent["hooks_ms"] > 0) == (name != "none") and spent["hooks_ms"] <= spent["s_ms"]
             if name != "none":
                 assert {"p50_ratio", "p99_ratio", "p99_target_met"} <= set(r)
     assert result["results"]["none"]["load"]["long_cached_tokens"] == 0  # recomputed: no connector

@@ -68,6 +68,15 @@ def _summary(seconds: list[float]) -> dict:
     }
 
 
+SLOWEST = 6  # decode-only steps itemised per engine and scenario: at 6 rounds of 48 steps, those above p99
+SPENT = ("s", "cpu", "hooks", "gc")  # a step's wall time; its thread's CPU time, its connector hooks, its GC
+
+
+def _spent_p50(steps: list[dict]) -> dict:
+    """The median of each of a step's measures (`SPENT`), ms."""
+    return {f"{k}_ms": round(statistics.median(s[k] for s in steps) * 1e3, 3) for k in SPENT}
+
+
 RUNS_ON_GPU = 3  # the rounds split into this many runs, each judged on its own (and all pooled)
 
 
@@ -82,10 +91,20 @@ def _results(rows: dict, decoders: int, long_prefix: int) -> dict:
                 raise AssertionError(f"{name} {scenario}: a window step did not schedule every decode request")
             decode_only = [s["s"] for s in steps if s["long"] == 0]
             cached = [m["long_cached_tokens"] for m in measured]
-            expected = 0 if name == "none" or scenario == "save" else long_prefix
+            expected = 0 if name in ("none", "noop_connector") or scenario == "save" else long_prefix
             if cached != [expected] * len(measured):
                 raise AssertionError(f"{name} {scenario}: long prompt cached tokens {cached}, expected {expected}")
             in_flight = [s["s"] for m in measured for s in m["window"][: m["long_left_step"]] if s["long"] == 0]
+            # where the slowest decode-only steps (those that make the p99) lost their time
+            slowest = sorted(
+                (
+                    {**s, "round": r, "at": i}
+                    for r, m in enumerate(measured)
+                    for i, s in enumerate(m["window"], 1)
+                    if s["long"] == 0
+                ),
+                key=lambda s: -s["s"],
+            )[:SLOWEST]
             results[name][scenario] = {
                 "decode_only": _summary(decode_only),
                 "decode_only_in_flight": {
@@ -101,6 +120,11 @@ def _results(rows: dict, decoders: int, long_prefix: int) -> dict:
                 },
                 "all_steps": _summary([s["s"] for s in steps]),
                 "quiet_p50_ms": round(statistics.median(s["s"] for m in measured for s in m["quiet"]) * 1e3, 3),
+                "quiet_p50_spent_ms": _spent_p50([s for m in measured for s in m["quiet"]]),
+                "slowest_decode_only": [
+                    {"round": s["round"], "step": s["at"], **{f"{k}_ms": round(s[k] * 1e3, 3) for k in SPENT}}
+                    for s in slowest
+                ],
                 "long_prefill_steps": statistics.median(sum(1 for s in m["window"] if s["long"]) for m in measured),
                 "long_finished_step_median": statistics.median(m["long_finished_step"] for m in measured),
                 "long_released_step_max": max(m["long_left_step"] for m in measured),

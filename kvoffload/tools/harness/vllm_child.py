@@ -61,33 +61,52 @@ def _time_connector_hooks(kv_transfer_config: dict | None) -> list[float]:
     return total
 
 
-def _stall(llm, command: dict) -> dict:
+def _stall(llm, command: dict, hook_seconds: list[float]) -> dict:
     """Decode requests (greedy, no end) are started and stepped until each has its first token, then
     `quiet_steps` more; then the long prompt (one output token) is added and `window_steps` steps follow.
     Each of those steps: its wall time (`LLMEngine.step`, perf_counter), the long request's scheduled
-    tokens and the number of decode requests scheduled (from the scheduler's own output). Then stepping
+    tokens and the number of decode requests scheduled (from the scheduler's own output), and where its
+    time went: the calling thread's CPU time (the rest it waited: for the GIL, or blocked), the time in
+    the connector's hooks (`hook_seconds`, ours only) and in Python's garbage collector. Then stepping
     goes on until the long request has left the scheduler (a connector holds a finished request until
     its saves are reported), the decode requests are aborted and the engine is drained."""
+    import gc
+
     from vllm import SamplingParams
 
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler  # VLLM_ENABLE_V1_MULTIPROCESSING=0
     seen: list[dict] = []
     schedule = scheduler.schedule
+    collecting = [0.0, 0.0]  # the collector's total seconds, the running collection's start
+
+    def timed_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            collecting[1] = time.perf_counter()
+        else:
+            collecting[0] += time.perf_counter() - collecting[1]
 
     def recorded(*args, **kw):
         out = schedule(*args, **kw)
         seen.append(dict(out.num_scheduled_tokens))
         return out
 
-    def step() -> tuple[float, dict, list]:
+    def step() -> tuple[dict, dict, list]:
         seen.clear()
+        hooks, collected, cpu = hook_seconds[0], collecting[0], time.thread_time()
         t0 = time.perf_counter()
         outs = engine.step()
-        return time.perf_counter() - t0, (seen[0] if seen else {}), outs
+        spent = {
+            "s": time.perf_counter() - t0,
+            "cpu": time.thread_time() - cpu,
+            "hooks": hook_seconds[0] - hooks,
+            "gc": collecting[0] - collected,
+        }
+        return spent, (seen[0] if seen else {}), outs
 
     tag = f"stall{time.monotonic_ns()}"
     scheduler.schedule = recorded
+    gc.callbacks.append(timed_gc)
     try:
         decode = SamplingParams(
             temperature=0.0, max_tokens=command.get("decode_max_tokens", 1024), ignore_eos=True, detokenize=False
@@ -101,9 +120,9 @@ def _stall(llm, command: dict) -> dict:
             _, _, outs = step()
             started |= {o.request_id for o in outs if o.outputs and o.outputs[0].token_ids}
 
-        def row(seconds: float, tokens: dict) -> dict:
+        def row(spent: dict, tokens: dict) -> dict:
             return {
-                "s": seconds,
+                **spent,
                 "long": tokens.get(long_id, 0),
                 "decode": sum(1 for r in tokens if r in ids),
                 "other": sum(1 for r in tokens if r not in ids and r != long_id),
@@ -119,10 +138,10 @@ def _stall(llm, command: dict) -> dict:
         window, finished_at, left_at, cached = [], None, None, None
         n = 0
         while n < command["window_steps"] or left_at is None:
-            seconds, tokens, outs = step()
+            spent, tokens, outs = step()
             n += 1
             if n <= command["window_steps"]:
-                window.append(row(seconds, tokens))
+                window.append(row(spent, tokens))
             for o in outs:
                 if o.request_id == f"{tag}-long" and o.finished:
                     finished_at, cached = n, o.num_cached_tokens
@@ -135,6 +154,7 @@ def _stall(llm, command: dict) -> dict:
             engine.step()
     finally:
         scheduler.schedule = schedule
+        gc.callbacks.remove(timed_gc)
     return {
         "quiet": quiet,
         "window": window,
@@ -411,7 +431,7 @@ def _child(spec_json: str, reply_fd: str) -> None:
         elif command["op"] == "generate":
             reply(_generate(llm, command, prefill))
         elif command["op"] == "stall":
-            reply(_stall(llm, command))
+            reply(_stall(llm, command, hook_seconds))
         elif command["op"] == "queued":
             reply(_queued(llm, command))
         elif command["op"] == "abort":

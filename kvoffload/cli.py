@@ -93,6 +93,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 ON_DEVICES = ("vllm-ttft", "overhead", "stall")  # the vLLM engine benchmarks with a CPU and a GPU profile
+OPTION_OF = {"model": ("vllm-ttft",), "trace": ("stall",)}  # the options only some of them take
 
 
 class BenchOptionError(KVOffloadError, ValueError):
@@ -111,10 +112,11 @@ def _bench(args: argparse.Namespace) -> int:
         ("device", args.device, "cpu"),
         ("eager", args.eager, False),
         ("model", args.model, "small"),
+        ("trace", args.trace, None),
     ):
         if value != default:
             if flag not in inspect.signature(module.run).parameters:
-                having = ", ".join(n for n in ON_DEVICES if flag != "model" or n == "vllm-ttft")
+                having = ", ".join(n for n in ON_DEVICES if n in OPTION_OF.get(flag, ON_DEVICES))
                 raise BenchOptionError(f"bench {args.name} has no --{flag} (those with one: {having})")
             options[flag] = value
     if args.model != "small" and args.device != "cuda":
@@ -247,6 +249,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=["small", "llama-3.1-8b"],
         help="vllm-ttft on a GPU: the benchmark's small model (its KV weighs a real one's; default) or the whole "
         "Llama-3.1-8B shape (16 GB of random weights written on the machine; engines one at a time)",
+    )
+    bench.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="stall: record one round's steps per engine with torch.profiler into DIR (gzipped Chrome traces: "
+        "every thread's CUDA calls, the device's kernels and copies per stream)",
     )
     bench.set_defaults(func=_bench)
     inspect = sub.add_parser("inspect", help="print a store's statistics as JSON")

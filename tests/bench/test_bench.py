@@ -1,5 +1,6 @@
 """Every benchmark runs in --quick mode and writes well-formed JSON (its speed is not a test)."""
 
+import gzip
 import json
 import subprocess
 import sys
@@ -11,8 +12,9 @@ import torch
 from conftest import subprocess_env
 
 
-def _bench(name, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "kvoffload.cli", "bench", name, "--quick", "--out", str(tmp_path)],
+def _bench(name, tmp_path, *options):
+    out = subprocess.run([sys.executable, "-m", "kvoffload.cli", "bench", name, "--quick", "--out", str(tmp_path),
+                          *options],
                          env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / f"{name}-quick.png").stat().st_size > 10_000, "no plot drawn"
@@ -171,8 +173,13 @@ def test_datapath_benchmark_json(tmp_path):
 @pytest.mark.slow
 def test_stall_benchmark_json(tmp_path):
     """Three in-process vLLM engines; the run itself asserts that the reloaded prefix came from the connector."""
-    result = _bench("stall", tmp_path)
+    result = _bench("stall", tmp_path, "--trace", str(tmp_path / "traces"))
     assert set(result["results"]) == {"none", "kvoffload_lmdb", "kvoffload_tiered"}
+    for name in result["results"]:  # one round's window per engine and scenario, as torch.profiler saw it
+        for scenario in ("save", "load"):
+            with gzip.open(tmp_path / "traces" / f"{name}-{scenario}.json.gz") as f:
+                events = json.load(f)["traceEvents"]
+            assert any(e.get("name") == "aten::copy_" for e in events), (name, scenario)
     assert result["target"]["p99_ratio_max"] == 1.1
     window = result["workload"]["window_steps"] * result["workload"]["rounds"]
     for name, row in result["results"].items():

@@ -139,7 +139,12 @@ def _results(rows: dict, decoders: int, long_prefix: int) -> dict:
     return results
 
 
-def run(quick: bool = False, progress=None, device: str = "cpu", eager: bool = False) -> dict:
+TRACED_ROUND = 1  # with `trace`: the round whose window each engine records (the first is the warmest-up)
+
+
+def run(quick: bool = False, progress=None, device: str = "cpu", eager: bool = False, trace: str | None = None) -> dict:
+    """`trace`: a directory; each engine's window steps of one round (`TRACED_ROUND`), save and load, are
+    recorded there by torch.profiler (`<engine>-<scenario>.json.gz`): where a slow step waited."""
     where = profile(device, eager)
     gpu = where.device == "cuda"
     block = where.block
@@ -156,6 +161,8 @@ def run(quick: bool = False, progress=None, device: str = "cpu", eager: bool = F
         return torch.randint(3, 512, (n,), generator=gen).tolist()
 
     say = progress or (lambda message: None)
+    if trace:
+        os.makedirs(trace, exist_ok=True)
     names = NAMES + (ON_GPU_TOO if gpu else [])
     rows: dict[str, dict[str, list]] = {name: {"save": [], "load": []} for name in names}
     threads = {} if gpu else {"OMP_NUM_THREADS": ENGINE_THREADS}
@@ -194,6 +201,9 @@ def run(quick: bool = False, progress=None, device: str = "cpu", eager: bool = F
                             quiet_steps=quiet,
                             window_steps=window,
                             decode_max_tokens=max_model_len - decode_tokens,
+                            trace=os.path.join(trace, f"{name}-{scenario}.json.gz")
+                            if trace and r == TRACED_ROUND
+                            else None,
                         )
                     )
                 if scenario == "save":

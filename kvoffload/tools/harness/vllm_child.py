@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -61,17 +62,35 @@ def _time_connector_hooks(kv_transfer_config: dict | None) -> list[float]:
     return total
 
 
+@contextlib.contextmanager
+def _traced(path: str | None):
+    """With a `path`: torch.profiler over the block (every thread's CUDA calls, the device's kernels and
+    copies per stream), written there as a gzipped Chrome trace (chrome://tracing, Perfetto)."""
+    if not path:
+        yield
+        return
+    import torch
+    import torch.profiler as tp
+
+    activities = [tp.ProfilerActivity.CPU, *([tp.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])]
+    with tp.profile(activities=activities) as profiler:
+        yield
+    profiler.export_chrome_trace(path)
+
+
 def _stall(llm, command: dict, hook_seconds: list[float]) -> dict:
     """Decode requests (greedy, no end) are started and stepped until each has its first token, then
     `quiet_steps` more; then the long prompt (one output token) is added and `window_steps` steps follow.
     Each of those steps: its wall time (`LLMEngine.step`, perf_counter), the long request's scheduled
     tokens and the number of decode requests scheduled (from the scheduler's own output), and where its
     time went: the calling thread's CPU time (the rest it waited: for the GIL, or blocked), the time in
-    the connector's hooks (`hook_seconds`, ours only) and in Python's garbage collector. Then stepping
+    the connector's hooks (`hook_seconds`, ours only) and in Python's garbage collector; with "trace"
+    (a path), the window's steps under torch.profiler (`_traced`). Then stepping
     goes on until the long request has left the scheduler (a connector holds a finished request until
     its saves are reported), the decode requests are aborted and the engine is drained."""
     import gc
 
+    import torch
     from vllm import SamplingParams
 
     engine = llm.llm_engine
@@ -95,7 +114,8 @@ def _stall(llm, command: dict, hook_seconds: list[float]) -> dict:
         seen.clear()
         hooks, collected, cpu = hook_seconds[0], collecting[0], time.thread_time()
         t0 = time.perf_counter()
-        outs = engine.step()
+        with torch.profiler.record_function("stall step") if tracing_steps else contextlib.nullcontext():
+            outs = engine.step()
         spent = {
             "s": time.perf_counter() - t0,
             "cpu": time.thread_time() - cpu,
@@ -107,6 +127,8 @@ def _stall(llm, command: dict, hook_seconds: list[float]) -> dict:
     tag = f"stall{time.monotonic_ns()}"
     scheduler.schedule = recorded
     gc.callbacks.append(timed_gc)
+    tracing = contextlib.ExitStack()  # the window's steps (with "trace"), each marked "stall step"
+    tracing_steps = False
     try:
         decode = SamplingParams(
             temperature=0.0, max_tokens=command.get("decode_max_tokens", 1024), ignore_eos=True, detokenize=False
@@ -137,6 +159,8 @@ def _stall(llm, command: dict, hook_seconds: list[float]) -> dict:
         )
         window, finished_at, left_at, cached = [], None, None, None
         n = 0
+        tracing.enter_context(_traced(command.get("trace")))
+        tracing_steps = bool(command.get("trace"))
         while n < command["window_steps"] or left_at is None:
             spent, tokens, outs = step()
             n += 1
@@ -149,10 +173,14 @@ def _stall(llm, command: dict, hook_seconds: list[float]) -> dict:
                 left_at = n
             if n > 100_000:
                 raise RuntimeError("the long request never left the scheduler")
+            if n == command["window_steps"]:
+                tracing.close()
+                tracing_steps = False
         engine.abort_request([f"{tag}-d{i}" for i in range(len(ids))])
         while scheduler.has_requests() or engine.has_unfinished_requests():
             engine.step()
     finally:
+        tracing.close()
         scheduler.schedule = schedule
         gc.callbacks.remove(timed_gc)
     return {

@@ -478,3 +478,34 @@ def test_a_batch_held_whole_by_the_memory_front_is_the_fronts_own(tmp_path):
             values[b"k1"], values[b"k2"]]
         store.release_batch(held)
         assert store.front.stats()["held"] == 0 and store.stats()["disk_hits"] == 1
+
+
+def test_a_batch_is_written_in_pieces_latest_values_only_and_every_hold_given_back(gated):
+    """One put_many of 600 values waits behind as one batch (one hold in the front); meanwhile one of its keys
+    is put again, one deleted and one dropped from the front by the front itself. The writer commits it
+    in pieces of at most BATCH_ENTRIES: the new value (in its own batch, after), not the replaced one;
+    not the deleted one; the one the front let go from its index, still held; byte-exact. Then nothing
+    is held any more."""
+    from kvoffload.store.tiered_behind import BATCH_ENTRIES
+
+    store, back = gated(memory=16 << 20)
+    back.gate.clear()
+    keys = [b"b%d" % i for i in range(600)]
+    values = {k: value_of(k, 2000 + i) for i, k in enumerate(keys)}
+    assert without_the_disk(back, lambda: store.put_many(list(values.items()))) == [True] * 600
+    assert back.entered.wait(WAIT)  # the writer took the first piece and waits at the gate
+    assert store.front.stats()["held"] == 600  # the batch's slots: one hold each, one lease for all
+    assert store.put(b"b450", b"newer")
+    assert store.delete(b"b451")
+    assert store.front.delete(b"b452")  # the front's index forgets it; the queued bytes stay held
+    assert store.contains(b"b452")  # found waiting behind
+    back.gate.set()
+    assert store.flush(WAIT)
+    assert all(len(batch) <= BATCH_ENTRIES for batch in back.batches)
+    assert back.written()[:598] == [k for k in keys if k not in (b"b450", b"b451")]
+    assert back.written()[598:] == [b"b450"]
+    assert back.inner.get(b"b450") == b"newer" and not back.inner.contains(b"b451")
+    assert all(back.inner.get(k) == values[k] for k in keys if k not in (b"b450", b"b451"))
+    stats = store.stats()
+    assert stats["behind_written"] == 599 and stats["behind_queued"] == 0 and stats["behind_queued_bytes"] == 0
+    assert stats["behind_dropped"] == 0 and store.front.stats()["held"] == 0

@@ -9,10 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-# The most bytes one copy moves (None: a whole run in one). A copy engine serves the copies queued on it
-# in order: an engine's own small copies (the sampled tokens to the host, each step's inputs to the
-# device) wait behind the run queued before them. Cut into pieces, they wait for one piece at most.
-COPY_BYTES: int | None = None
+from ..store.buffers import host_bytes
 
 
 def runs(
@@ -43,30 +40,9 @@ def runs(
         first = np.flatnonzero(np.concatenate(([True], ~joined)))
         last = np.append(first[1:], len(at)) - 1  # each run's last page
         first, offset, length = at[first], o[first], o[last] + n[last] - o[first]
-    if COPY_BYTES and (length > COPY_BYTES).any():
-        first, offset, length = _pieces(first, offset, length, COPY_BYTES)
     return list(zip(first.tolist(), offset.tolist(), length.tolist()))
-
-
-def _pieces(at: np.ndarray, offset: np.ndarray, length: np.ndarray, limit: int):
-    """Runs cut into copies of at most `limit` bytes (each run's last piece shorter), vectorised."""
-    count = -(-length // limit)
-    run = np.repeat(np.arange(len(length)), count)
-    k = np.arange(len(run)) - np.repeat(np.cumsum(count) - count, count)  # piece k of its run
-    start = k * limit
-    return at[run] + start, offset[run] + start, np.minimum(length[run] - start, limit)
-
-
-class _HostMemory:
-    """Host bytes at an address, as numpy's array interface sees them: wrapped without ctypes, whose
-    array type per length costs ~10 us for every new run length."""
-
-    __slots__ = ("__array_interface__",)
-
-    def __init__(self, address: int, nbytes: int):
-        self.__array_interface__ = {"data": (address, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
 
 
 def host_tensor(address: int, nbytes: int) -> torch.Tensor:
     """A uint8 tensor over host memory the caller holds (an arena run): torch sees it is pinned."""
-    return torch.from_numpy(np.asarray(_HostMemory(address, nbytes)))
+    return torch.from_numpy(host_bytes(address, nbytes))

@@ -229,33 +229,6 @@ def test_adjacent_arena_slots_move_in_one_copy():
     assert _runs(np.array([base, base + 8]), np.array([8, 0]), np.array([0, 8])) == [(base, 0, 8)]  # size 0: skipped
 
 
-@pytest.mark.parametrize("device,use_triton", PATHS)
-def test_runs_cut_into_copies_of_at_most_copy_bytes_move_every_byte(device, use_triton, monkeypatch):
-    """With `COPY_BYTES` set, a run longer than it goes as consecutive pieces of at most that many bytes
-    (the last one shorter) that cover it exactly; saves and loads through them stay byte-exact."""
-    from kvoffload.connectors import host_runs
-    from kvoffload.store import MemoryStore
-
-    base = np.zeros(64, dtype=np.uint8).ctypes.data
-    addresses, sizes, offsets = [base, base + 8, base + 32], np.array([8, 8, 8]), np.array([0, 8, 16])
-    monkeypatch.setattr(host_runs, "COPY_BYTES", 6)
-    assert host_runs.runs(addresses, sizes, offsets) == [
-        (base, 0, 6), (base + 6, 6, 6), (base + 12, 12, 4), (base + 32, 16, 6), (base + 38, 22, 2)]
-    paged, state = _groups()
-    monkeypatch.setattr(host_runs, "COPY_BYTES", 4096)  # pages of 7000 and 1992 bytes: most cut in pieces
-    source = torch.randint(0, 256, (24 * STRIDE,), dtype=torch.uint8, device=device)
-    items = [Page(f"k{g.name}{b}".encode(), g, b, b) for b in range(10) for g in (paged, state)]
-    store = MemoryStore(8 << 20, chunk_bytes=2 << 20)
-    assert _transfer(source, use_triton).save(store, items) == [True] * len(items)
-    before = HostTransfer(source.cpu())
-    assert all(bytes(store.get(p.key)) == before.gather(p.group, p.block).tobytes() for p in items)
-    target = torch.zeros_like(source)
-    assert _transfer(target, use_triton).load(store, items) == [True] * len(items)
-    _sync(device)
-    after = HostTransfer(target.cpu())
-    assert all(np.array_equal(after.gather(p.group, p.block), before.gather(p.group, p.block)) for p in items)
-
-
 def test_a_run_of_slots_never_crosses_from_one_chunk_into_the_next():
     """Chunks are separate host allocations: one copy over two of them fails on CUDA even where they lie
     next to each other. Pages in slots adjacent within a chunk join; across a chunk's end they do not."""

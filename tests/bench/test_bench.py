@@ -194,6 +194,9 @@ def test_stall_benchmark_json(tmp_path):
             for spent in [*slowest, r["quiet_p50_spent_ms"]]:  # the step's parts lie within it
                 assert 0 <= spent["gc_ms"] <= spent["s_ms"] and 0 <= spent["cpu_ms"] <= spent["s_ms"] * 1.05 + 0.05
                 assert (spent["hooks_ms"] > 0) == (name != "none") and spent["hooks_ms"] <= spent["s_ms"]
+            for spent in slowest:  # the hooks above 0.1 ms, by name: within the step's hooks
+                assert sum(spent["hooks_over_0.1ms"].values()) <= spent["hooks_ms"] + 0.01
+                assert not spent["hooks_over_0.1ms"] or name != "none"
             if name != "none":
                 assert {"p50_ratio", "p99_ratio", "p99_target_met"} <= set(r)
     assert result["results"]["none"]["load"]["long_cached_tokens"] == 0  # recomputed: no connector

@@ -122,7 +122,12 @@ def _results(rows: dict, decoders: int, long_prefix: int) -> dict:
                 "quiet_p50_ms": round(statistics.median(s["s"] for m in measured for s in m["quiet"]) * 1e3, 3),
                 "quiet_p50_spent_ms": _spent_p50([s for m in measured for s in m["quiet"]]),
                 "slowest_decode_only": [
-                    {"round": s["round"], "step": s["at"], **{f"{k}_ms": round(s[k] * 1e3, 3) for k in SPENT}}
+                    {
+                        "round": s["round"],
+                        "step": s["at"],
+                        **{f"{k}_ms": round(s[k] * 1e3, 3) for k in SPENT},
+                        "hooks_over_0.1ms": s["by_hook"],
+                    }
                     for s in slowest
                 ],
                 "long_prefill_steps": statistics.median(sum(1 for s in m["window"] if s["long"]) for m in measured),

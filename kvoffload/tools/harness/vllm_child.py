@@ -30,16 +30,16 @@ HOOKS = (
 )
 
 
-def _time_connector_hooks(kv_transfer_config: dict | None) -> list[float]:
-    """Wrap every hook of the configured connector class with a timer; returns the running total. A hook
-    called from another (request_finished_all_groups -> request_finished) is inside the outer one's time,
-    so only the outermost call counts."""
+def _time_connector_hooks(kv_transfer_config: dict | None) -> dict[str, float]:
+    """Wrap every hook of the configured connector class with a timer; returns the running seconds per
+    hook, and in all under "total". A hook called from another (request_finished_all_groups ->
+    request_finished) is inside the outer one's time, so only the outermost call counts."""
     import functools
     import importlib
 
-    total, depth = [0.0], [0]
+    spent, depth = {"total": 0.0}, [0]
     if not kv_transfer_config or "kv_connector_module_path" not in kv_transfer_config:
-        return total
+        return spent
     module = importlib.import_module(kv_transfer_config["kv_connector_module_path"])
     cls = getattr(module, kv_transfer_config["kv_connector"])
     for name in HOOKS:
@@ -47,7 +47,7 @@ def _time_connector_hooks(kv_transfer_config: dict | None) -> list[float]:
         if fn is None:
             continue
 
-        def timed(*args, __fn=fn, **kwargs):
+        def timed(*args, __fn=fn, __name=name, **kwargs):
             depth[0] += 1
             t0 = time.perf_counter()
             try:
@@ -56,10 +56,11 @@ def _time_connector_hooks(kv_transfer_config: dict | None) -> list[float]:
                 elapsed = time.perf_counter() - t0
                 depth[0] -= 1
                 if depth[0] == 0:
-                    total[0] += elapsed
+                    spent["total"] += elapsed
+                    spent[__name] = spent.get(__name, 0.0) + elapsed
 
         setattr(cls, name, functools.wraps(fn)(timed))
-    return total
+    return spent
 
 
 @contextlib.contextmanager
@@ -78,13 +79,14 @@ def _traced(path: str | None):
     profiler.export_chrome_trace(path)
 
 
-def _stall(llm, command: dict, hook_seconds: list[float]) -> dict:
+def _stall(llm, command: dict, hook_seconds: dict[str, float]) -> dict:
     """Decode requests (greedy, no end) are started and stepped until each has its first token, then
     `quiet_steps` more; then the long prompt (one output token) is added and `window_steps` steps follow.
     Each of those steps: its wall time (`LLMEngine.step`, perf_counter), the long request's scheduled
     tokens and the number of decode requests scheduled (from the scheduler's own output), and where its
     time went: the calling thread's CPU time (the rest it waited: for the GIL, or blocked), the time in
-    the connector's hooks (`hook_seconds`, ours only) and in Python's garbage collector; with "trace"
+    the connector's hooks (`hook_seconds`, ours only; each hook's above 0.1 ms in "by_hook") and in
+    Python's garbage collector; with "trace"
     (a path), the window's steps under torch.profiler (`_traced`). Then stepping
     goes on until the long request has left the scheduler (a connector holds a finished request until
     its saves are reported), the decode requests are aborted and the engine is drained."""
@@ -112,14 +114,19 @@ def _stall(llm, command: dict, hook_seconds: list[float]) -> dict:
 
     def step() -> tuple[dict, dict, list]:
         seen.clear()
-        hooks, collected, cpu = hook_seconds[0], collecting[0], time.thread_time()
+        hooks, collected, cpu = dict(hook_seconds), collecting[0], time.thread_time()
         t0 = time.perf_counter()
         with torch.profiler.record_function("stall step") if tracing_steps else contextlib.nullcontext():
             outs = engine.step()
         spent = {
             "s": time.perf_counter() - t0,
             "cpu": time.thread_time() - cpu,
-            "hooks": hook_seconds[0] - hooks,
+            "hooks": hook_seconds["total"] - hooks["total"],
+            "by_hook": {
+                name: round(1e3 * (seconds - hooks.get(name, 0.0)), 3)
+                for name, seconds in hook_seconds.items()
+                if name != "total" and seconds - hooks.get(name, 0.0) > 1e-4
+            },
             "gc": collecting[0] - collected,
         }
         return spent, (seen[0] if seen else {}), outs
@@ -398,7 +405,7 @@ def _child(spec_json: str, reply_fd: str) -> None:
         from vllm.config.kv_events import KVEventsConfig
 
         kwargs["kv_events_config"] = KVEventsConfig(**kwargs["kv_events_config"])
-    hook_seconds = _time_connector_hooks(spec["kv_transfer_config"]) if spec["in_process"] else [0.0]
+    hook_seconds = _time_connector_hooks(spec["kv_transfer_config"]) if spec["in_process"] else {"total": 0.0}
     started = time.perf_counter()
     llm = LLM(**kwargs)
     engine, steps = llm.llm_engine, [0]
@@ -443,14 +450,14 @@ def _child(spec_json: str, reply_fd: str) -> None:
             params = SamplingParams(
                 temperature=0.0, max_tokens=command["max_tokens"], ignore_eos=True, detokenize=False
             )
-            steps[0], hooks_before = 0, hook_seconds[0]
+            steps[0], hooks_before = 0, hook_seconds["total"]
             t0, thread0, process0 = time.perf_counter(), time.thread_time(), time.process_time()
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in command["prompts"]], params, use_tqdm=False)
             reply(
                 {
                     "seconds": time.perf_counter() - t0,
                     "steps": steps[0],
-                    "connector_seconds": hook_seconds[0] - hooks_before,
+                    "connector_seconds": hook_seconds["total"] - hooks_before,
                     "thread_cpu_seconds": time.thread_time() - thread0,
                     "process_cpu_seconds": time.process_time() - process0,
                     "cached_tokens": sum(o.num_cached_tokens for o in outs),

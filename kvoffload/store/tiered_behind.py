@@ -30,7 +30,8 @@ operator's reset: no batch is in flight then and none can start), never on the w
 writer commits without it, and a withdrawal waits for the batch holding its key on the condition, not on
 a lock. Order: `_lock`, then the front's or the back's own locks, then a store's counter lock; no thread
 holding a tier's lock waits for `_lock` (the writer takes it only after `back.put_many` returns).
-Batches are released (`front.release_batch`) outside `_lock`.
+A batch is released (`front.release_batch`) once no key names it: by the writer under `_lock` once it
+committed it, by the other paths after `_lock`.
 """
 
 from __future__ import annotations
@@ -340,7 +341,6 @@ class WriteBehind:
                 exc_info=True,
             )
         finally:
-            self._release(free + done)  # before the writer says it is done: a flush finds them given back
             ok = sum(written)
             self._count(
                 behind_written=ok,
@@ -355,14 +355,15 @@ class WriteBehind:
                     self.back.url,
                     len(piece) - ok,
                 )
-            emptied: list[_Batch] = []
             with self._lock:
                 self._inflight.clear()
                 # written or failed, these values leave the queue, unless queued again meanwhile
                 places = [(b, at) if self._where.get(k) == (b, at) else None for k, (b, at) in zip(keys, piece)]
-                self._forget(keys, places, emptied)
+                self._forget(keys, places, free)
+                # given back once no key names them, before the writer says it is done (a flush finds them
+                # released); the front's lock inside ours, the one order
+                self._release(free + done)
                 self._changed.notify_all()
-            self._release(emptied)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything queued is committed (or dropped); False if `timeout` seconds passed first."""

@@ -19,12 +19,13 @@ def test_a_hook_inside_a_hook_is_timed_once(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     clock = itertools.count()  # every reading one second later
     monkeypatch.setattr(time, "perf_counter", lambda: float(next(clock)))
-    total = _time_connector_hooks({"kv_connector_module_path": "nested_connector", "kv_connector": "C"})
+    spent = _time_connector_hooks({"kv_connector_module_path": "nested_connector", "kv_connector": "C"})
     connector = sys.modules["nested_connector"].C()
     assert connector.request_finished_all_groups(None, []) == (False, None)
-    assert total == [3.0]  # outer: readings 0 and 3 (the inner call read 1 and 2)
+    # outer: readings 0 and 3 (the inner call read 1 and 2), counted once, under the outer hook's name
+    assert spent == {"total": 3.0, "request_finished_all_groups": 3.0}
     connector.request_finished(None, [])
-    assert total == [4.0]
+    assert spent == {"total": 4.0, "request_finished_all_groups": 3.0, "request_finished": 1.0}
 
 
 def _rows(seconds: list[float], **extra) -> list[dict]:

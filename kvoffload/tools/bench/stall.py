@@ -144,7 +144,7 @@ def _results(rows: dict, decoders: int, long_prefix: int) -> dict:
     return results
 
 
-TRACED_ROUND = 1  # with `trace`: the round whose window each engine records (the first is the warmest-up)
+TRACED_ROUND = 1  # with `trace`: the round whose window each engine records (the second: the first warms engines up)
 
 
 def run(quick: bool = False, progress=None, device: str = "cpu", eager: bool = False, trace: str | None = None) -> dict:

@@ -1,8 +1,8 @@
 """LMDB reads on several threads. A large `read_many` is cut into contiguous runs of about equal bytes,
 one per reader; each reader opens its own read transaction (readers never wait for the writer, nor
 for each other), verifies and hands its values to the caller's `consume` straight from the map. The
-checksum holds the GIL; the copy a `consume` makes out of the map, and its page faults, do not, so
-readers overlap where one thread would wait for each in turn. Before it verifies anything a reader asks
+checksum of a value over 64 KiB (xxhash's `update`), the copy a `consume` makes out of the map and their
+page faults run without the GIL, so readers overlap where one thread would wait for each in turn. Before it verifies anything a reader asks
 the kernel for every page of its values at once (`madvise(MADV_WILLNEED)`): a cold read then keeps the
 disk's queue full instead of faulting the map in one readahead window at a time. A load of many batches
 advises all of its values before its first batch (`Readers.ahead`, on a thread of its own), so the disk

@@ -509,3 +509,68 @@ def test_a_batch_is_written_in_pieces_latest_values_only_and_every_hold_given_ba
     stats = store.stats()
     assert stats["behind_written"] == 599 and stats["behind_queued"] == 0 and stats["behind_queued_bytes"] == 0
     assert stats["behind_dropped"] == 0 and store.front.stats()["held"] == 0
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_concurrent_puts_and_deletes_leave_the_back_with_each_keys_last_word(gated, monkeypatch, seed):
+    """Four threads put batches (new values of keys seen before among them), delete keys and write values
+    too large for the front (straight to the back) while the writer commits in small pieces behind a
+    back that stalls at random. Each thread owns its keys, so each key's last word is known: after a
+    flush the back holds exactly the last value put of every key last put, none of a key last deleted,
+    and the front holds nothing for the writer."""
+    import random
+
+    from kvoffload.store import tiered_behind
+
+    monkeypatch.setattr(tiered_behind, "BATCH_ENTRIES", 7)
+    monkeypatch.setattr(tiered_behind, "BATCH_BYTES", 64 << 10)
+    store, back = gated(memory=2 << 20, behind_bytes=1 << 20)
+    large = store.front.max_entry_bytes + 1  # 2 MiB + 1, 3% of the steps: ~14 in all fit the 64 MiB back
+    stalls = random.Random(seed)
+    inner_put = back._put_many
+
+    def stalling_put(items):
+        if stalls.random() < 0.5:
+            time.sleep(0.003)
+        return inner_put(items)
+
+    back._put_many = stalling_put
+    last: dict[bytes, bytes | None] = {}
+    errors: list[BaseException] = []
+
+    def work(thread: int) -> None:
+        rng = random.Random(seed * 100 + thread)
+        keys = [b"t%d-k%d" % (thread, i) for i in range(40)]
+        try:
+            for step in range(120):
+                roll = rng.random()
+                if roll < 0.75:
+                    batch = rng.sample(keys, rng.randint(1, 20))
+                    items = [(k, value_of(k + b"@%d" % step, rng.randint(1, 2 << 10))) for k in batch]
+                    assert store.put_many(items) == [True] * len(items)
+                    last.update(items)
+                elif roll < 0.97:
+                    key = rng.choice(keys)
+                    store.delete(key)
+                    last[key] = None
+                else:
+                    key = rng.choice(keys)
+                    value = value_of(key + b"@large%d" % step, large)
+                    assert store.put(key, value)
+                    last[key] = value
+        except BaseException as exc:  # re-raised in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,), daemon=True) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(4 * WAIT)
+    assert not any(thread.is_alive() for thread in threads) and not errors, errors
+    assert store.flush(WAIT)
+    for key, value in last.items():
+        assert back.inner.get(key) == value, key  # None: deleted, and never resurrected
+        assert store.get(key) == value, key
+    stats = store.stats()
+    assert stats["behind_dropped"] == 0 and stats["behind_failed"] == 0
+    assert stats["behind_queued"] == 0 and stats["behind_queued_bytes"] == 0 and store.front.stats()["held"] == 0

@@ -2,9 +2,11 @@
 one per reader; each reader opens its own read transaction (readers never wait for the writer, nor
 for each other), verifies and hands its values to the caller's `consume` straight from the map. The
 checksum of a value over 64 KiB (xxhash's `update`), the copy a `consume` makes out of the map and their
-page faults run without the GIL, so readers overlap where one thread would wait for each in turn. Before it verifies anything a reader asks
-the kernel for every page of its values at once (`madvise(MADV_WILLNEED)`): a cold read then keeps the
-disk's queue full instead of faulting the map in one readahead window at a time. A load of many batches
+page faults run without the GIL, so readers overlap where one thread would wait for each in turn; each
+takes the GIL back per value, so a reader waits for an engine thread's Python once per value (`bench
+store`, beside engine steps). Before it verifies anything a reader asks the kernel for every page of its
+values at once (`madvise(MADV_WILLNEED)`): a cold read then keeps the disk's queue full instead of
+faulting the map in one readahead window at a time. A load of many batches
 advises all of its values before its first batch (`Readers.ahead`, on a thread of its own), so the disk
 stays busy across the batches, not only within each.
 

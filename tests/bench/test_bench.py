@@ -30,7 +30,12 @@ def test_store_benchmark_json(tmp_path):
         for key in ("memcpy_GBps", "memory_get_GBps", "raw_write_fsync_GBps", "raw_read_GBps",
                     "lmdb_put_GBps", "lmdb_get_GBps"):
             assert row[key] > 0, key
-        assert set(row["ratios"]) == {"memory_get_vs_memcpy", "lmdb_put_vs_raw_write", "lmdb_get_vs_raw_read"}
+        assert set(row["ratios"]) == {"memory_get_vs_memcpy", "lmdb_put_vs_raw_write", "lmdb_get_vs_raw_read",
+                                      "lmdb_get_warm_beside_engine_vs_alone", "memcpy_beside_engine_vs_alone",
+                                      "engine_step_p99_beside_lmdb_vs_alone"}
+        for beside in row["beside_engine_steps"].values():  # an engine step never takes less than alone
+            assert beside["GBps"] > 0 and beside["steps"] >= 200
+            assert beside["step_p99_ms"] >= beside["step_p50_ms"] >= beside["step_alone_ms"] == 3.0
 
 
 def test_footprint_benchmark_json(tmp_path):

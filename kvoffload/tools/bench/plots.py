@@ -43,6 +43,9 @@ def _store(ax, result):
         ("lmdb_get_GBps", "LMDB get"),
     ):
         ax.plot(sizes, [r[key] for r in result["results"]], marker="o", label=label)
+    for key, label in (("lmdb_get_warm", "LMDB get, page cache,"), ("memcpy", "memcpy,")):
+        beside = [r["beside_engine_steps"][key]["GBps"] for r in result["results"]]
+        ax.plot(sizes, beside, marker="x", linestyle="--", label=f"{label} beside engine steps")
     ax.set_xscale("log", base=2)
     ax.set(xlabel="value size (KiB)", ylabel="GB/s", title="Store throughput vs same-run baselines")
 

@@ -481,11 +481,11 @@ def test_a_batch_held_whole_by_the_memory_front_is_the_fronts_own(tmp_path):
 
 
 def test_a_batch_is_written_in_pieces_latest_values_only_and_every_hold_given_back(gated):
-    """One put_many of 600 values waits behind as one batch (one hold in the front); meanwhile one of its keys
-    is put again, one deleted and one dropped from the front by the front itself. The writer commits it
-    in pieces of at most BATCH_ENTRIES: the new value (in its own batch, after), not the replaced one;
-    not the deleted one; the one the front let go from its index, still held; byte-exact. Then nothing
-    is held any more."""
+    """One put_many of 600 values waits behind (a lease on each value in the front); meanwhile one of its
+    keys is put again, one deleted and one dropped from the front by the front itself. The writer commits
+    them in pieces of at most BATCH_ENTRIES: the new value (in a piece of its own, after), not the replaced
+    one; not the deleted one; the one the front let go from its index, still leased; byte-exact. Then
+    nothing is held any more."""
     from kvoffload.store.tiered_behind import BATCH_ENTRIES
 
     store, back = gated(memory=16 << 20)
@@ -494,7 +494,7 @@ def test_a_batch_is_written_in_pieces_latest_values_only_and_every_hold_given_ba
     values = {k: value_of(k, 2000 + i) for i, k in enumerate(keys)}
     assert without_the_disk(back, lambda: store.put_many(list(values.items()))) == [True] * 600
     assert back.entered.wait(WAIT)  # the writer took the first piece and waits at the gate
-    assert store.front.stats()["held"] == 600  # the batch's slots: one hold each, one lease for all
+    assert store.front.stats()["held"] == 600  # every value's slot, leased for the writer
     assert store.put(b"b450", b"newer")
     assert store.delete(b"b451")
     assert store.front.delete(b"b452")  # the front's index forgets it; the queued bytes stay held

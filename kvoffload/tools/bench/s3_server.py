@@ -118,10 +118,15 @@ class Server:
         )
 
     def _bucket_ready(self) -> bool:
-        """A signed listing of the bucket succeeds: the gateway, the filer and the bucket are up."""
+        """A signed listing of the bucket succeeds, and so does reading an object it lists: the gateway, the
+        filer and the bucket are up, and (started again on a directory with objects) the volume server
+        has registered their volumes; the listing alone comes up first, and reads fail with 5xx until then."""
         client = self.client(client_options={"timeout": "2s"}, retry_config={"max_retries": 0})
         try:
-            client.list_with_delimiter()
+            for first in client.list(chunk_size=1):  # one object, under any prefix
+                if first:
+                    client.get(first[0]["path"]).bytes()
+                break
             return True
         except Exception:  # noqa: BLE001 - not up yet
             return False
